@@ -1,0 +1,269 @@
+//! One AMQP connection per broker endpoint, shared by every policy that uses it.
+//!
+//! The connection is opened lazily and re-opened after the broker goes away, with an exponential
+//! backoff between attempts so a down broker is not hammered by every reconcile. Channels are
+//! pooled: a channel the broker closed (a refused declare closes it) is simply not returned.
+
+use super::{refusal::Refusal, uri::BrokerUri};
+use lapin::{Channel, Connection, ConnectionProperties, ErrorKind, tcp::OwnedTLSConfig};
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+/// How long a connection attempt may take before the broker counts as unreachable.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Idle channels kept open per endpoint.
+const IDLE_CHANNELS: usize = 8;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AmqpError {
+    /// No connection: the broker is down, unreachable, or refused the login.
+    #[error("cannot connect to {endpoint}: {detail}")]
+    Unreachable {
+        endpoint: String,
+        detail: String,
+        retry_in: Duration,
+    },
+    /// The broker refused one operation (a soft error); the connection is fine.
+    #[error("{0}")]
+    Refused(Refusal),
+}
+
+/// Reconnect delays: 0.5 s doubling up to 30 s.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Backoff {
+    failures: u32,
+    retry_at: Option<Instant>,
+}
+
+impl Backoff {
+    pub fn delay_after(failures: u32) -> Duration {
+        let ms = 500u64.saturating_mul(1 << failures.saturating_sub(1).min(10));
+        Duration::from_millis(ms.min(30_000))
+    }
+
+    fn failed(&mut self, now: Instant) -> Duration {
+        self.failures += 1;
+        let delay = Self::delay_after(self.failures);
+        self.retry_at = Some(now + delay);
+        delay
+    }
+
+    fn wait(&self, now: Instant) -> Option<Duration> {
+        self.retry_at
+            .and_then(|at| at.checked_duration_since(now))
+            .filter(|d| !d.is_zero())
+    }
+}
+
+struct ConnState {
+    conn: Option<Arc<Connection>>,
+    backoff: Backoff,
+    last_error: String,
+}
+
+pub struct AmqpEndpoint {
+    uri: BrokerUri,
+    ca_cert: Option<String>,
+    connection_name: String,
+    state: tokio::sync::Mutex<ConnState>,
+    idle: Mutex<Vec<Channel>>,
+    opened: AtomicU64,
+}
+
+impl AmqpEndpoint {
+    pub fn new(uri: BrokerUri, ca_cert: Option<String>, connection_name: String) -> Self {
+        Self {
+            uri,
+            ca_cert,
+            connection_name,
+            state: tokio::sync::Mutex::new(ConnState {
+                conn: None,
+                backoff: Backoff::default(),
+                last_error: String::new(),
+            }),
+            idle: Mutex::new(Vec::new()),
+            opened: AtomicU64::new(0),
+        }
+    }
+
+    /// Connections opened so far (one, unless the broker went away).
+    pub fn connections_opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    pub fn display(&self) -> String {
+        self.uri.display()
+    }
+
+    /// A live channel, connecting first when needed.
+    pub async fn channel(&self) -> Result<PooledChannel<'_>, AmqpError> {
+        if let Some(channel) = self.take_idle() {
+            return Ok(PooledChannel {
+                endpoint: self,
+                channel: Some(channel),
+            });
+        }
+        let conn = self.connection().await?;
+        match conn.create_channel().await {
+            Ok(channel) => Ok(PooledChannel {
+                endpoint: self,
+                channel: Some(channel),
+            }),
+            Err(e) => Err(self.classify(e)),
+        }
+    }
+
+    fn take_idle(&self) -> Option<Channel> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(channel) = idle.pop() {
+            if channel.status().connected() {
+                return Some(channel);
+            }
+        }
+        None
+    }
+
+    async fn connection(&self) -> Result<Arc<Connection>, AmqpError> {
+        let mut state = self.state.lock().await;
+        if let Some(conn) = &state.conn {
+            if conn.status().connected() {
+                return Ok(conn.clone());
+            }
+            state.conn = None;
+        }
+        let now = Instant::now();
+        if let Some(retry_in) = state.backoff.wait(now) {
+            return Err(self.unreachable(state.last_error.clone(), retry_in));
+        }
+        match tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await {
+            Ok(Ok(conn)) => {
+                let conn = Arc::new(conn);
+                self.opened.fetch_add(1, Ordering::Relaxed);
+                state.backoff = Backoff::default();
+                state.conn = Some(conn.clone());
+                tracing::info!(broker = %self.display(), "connected");
+                Ok(conn)
+            }
+            outcome => {
+                let detail = match outcome {
+                    Ok(Err(e)) => self.uri.redact(&describe(&e)),
+                    _ => format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
+                };
+                let retry_in = state.backoff.failed(now);
+                state.last_error = detail.clone();
+                tracing::warn!(broker = %self.display(), %detail, ?retry_in, "connection failed");
+                Err(self.unreachable(detail, retry_in))
+            }
+        }
+    }
+
+    async fn connect(&self) -> lapin::Result<Connection> {
+        let props = ConnectionProperties::default()
+            .with_connection_name(self.connection_name.clone().into());
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.ca_cert.clone(),
+        };
+        let runtime = lapin::runtime::default_runtime()?;
+        Connection::connect_uri_with_config(self.uri.amqp().clone(), props, tls, runtime).await
+    }
+
+    fn unreachable(&self, detail: String, retry_in: Duration) -> AmqpError {
+        AmqpError::Unreachable {
+            endpoint: self.display(),
+            detail,
+            retry_in,
+        }
+    }
+
+    /// Sorts a lapin error into a refusal (channel closed, connection fine) or unreachability.
+    pub fn classify(&self, e: lapin::Error) -> AmqpError {
+        match e.kind() {
+            ErrorKind::ProtocolError(amqp) if e.is_amqp_soft_error() => {
+                AmqpError::Refused(Refusal {
+                    code: amqp.get_id(),
+                    text: amqp.get_message().to_string(),
+                })
+            }
+            _ => self.unreachable(self.uri.redact(&describe(&e)), Duration::ZERO),
+        }
+    }
+}
+
+fn describe(e: &lapin::Error) -> String {
+    match e.kind() {
+        ErrorKind::ProtocolError(amqp) => amqp.get_message().to_string(),
+        _ => e.to_string(),
+    }
+}
+
+/// A channel borrowed from the endpoint's pool; returned on drop if still open.
+pub struct PooledChannel<'a> {
+    endpoint: &'a AmqpEndpoint,
+    channel: Option<Channel>,
+}
+
+impl std::ops::Deref for PooledChannel<'_> {
+    type Target = Channel;
+    fn deref(&self) -> &Channel {
+        self.channel.as_ref().expect("present until drop")
+    }
+}
+
+impl PooledChannel<'_> {
+    /// True while the broker has not closed the channel.
+    pub fn is_open(&self) -> bool {
+        self.status().connected()
+    }
+}
+
+impl Drop for PooledChannel<'_> {
+    fn drop(&mut self) {
+        let Some(channel) = self.channel.take() else {
+            return;
+        };
+        if !channel.status().connected() {
+            return;
+        }
+        let mut idle = self.endpoint.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < IDLE_CHANNELS {
+            idle.push(channel);
+        } else {
+            tokio::spawn(async move {
+                let _ = channel.close(200, "OK".into()).await;
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_thirty_seconds() {
+        let delays: Vec<u64> = (1..=9)
+            .map(|n| Backoff::delay_after(n).as_millis() as u64)
+            .collect();
+        assert_eq!(
+            delays,
+            [500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]
+        );
+    }
+
+    #[test]
+    fn backoff_blocks_until_its_time() {
+        let mut b = Backoff::default();
+        let t0 = Instant::now();
+        assert_eq!(b.wait(t0), None);
+        let d = b.failed(t0);
+        assert_eq!(d, Duration::from_millis(500));
+        assert!(b.wait(t0).is_some());
+        assert_eq!(b.wait(t0 + Duration::from_millis(500)), None);
+    }
+}

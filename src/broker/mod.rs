@@ -1,0 +1,91 @@
+//! Everything that talks to RabbitMQ: AMQP (declarations) and the management API (policies,
+//! queue details). Adapters only; decisions live in [`crate::settings`] and [`crate::converge`].
+
+pub mod amqp;
+pub mod management;
+pub mod refusal;
+pub mod uri;
+
+use amqp::AmqpEndpoint;
+use management::{ManagementClient, ManagementError};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+use uri::BrokerUri;
+
+/// What a broker Secret holds.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BrokerCredentials {
+    /// `uri`: amqp[s]://user:pass@host:port/vhost
+    pub uri: String,
+    /// `managementUri`: http[s]://[user:pass@]host:port
+    pub management_uri: Option<String>,
+    /// `caCert`: PEM bundle trusted for amqps:// and https:// (default: the system's roots)
+    pub ca_cert: Option<String>,
+}
+
+impl std::fmt::Debug for BrokerCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BrokerCredentials(..)")
+    }
+}
+
+/// One broker endpoint: its AMQP connection and its management API.
+pub struct Broker {
+    pub uri: BrokerUri,
+    pub amqp: AmqpEndpoint,
+    pub management: ManagementClient,
+}
+
+impl Broker {
+    pub fn vhost(&self) -> &str {
+        self.uri.vhost()
+    }
+}
+
+/// Endpoints shared by all policies: one AMQP connection per distinct broker address.
+pub struct BrokerPool {
+    connection_name: String,
+    endpoints: Mutex<HashMap<(u64, Option<String>), Arc<Broker>>>,
+}
+
+impl BrokerPool {
+    /// `connection_name` is what the broker's connection list shows for the operator.
+    pub fn new(connection_name: impl Into<String>) -> Self {
+        Self {
+            connection_name: connection_name.into(),
+            endpoints: Mutex::default(),
+        }
+    }
+
+    pub fn get(
+        &self,
+        uri: BrokerUri,
+        ca_cert: Option<String>,
+    ) -> Result<Arc<Broker>, ManagementError> {
+        let key = (uri.endpoint_key(), ca_cert.clone());
+        let mut endpoints = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(broker) = endpoints.get(&key) {
+            return Ok(broker.clone());
+        }
+        let management = ManagementClient::new(uri.management().clone(), ca_cert.as_deref())?;
+        let amqp = AmqpEndpoint::new(uri.clone(), ca_cert, self.connection_name.clone());
+        let broker = Arc::new(Broker {
+            uri,
+            amqp,
+            management,
+        });
+        endpoints.insert(key, broker.clone());
+        Ok(broker)
+    }
+
+    /// AMQP connections opened across all endpoints.
+    pub fn connections_opened(&self) -> u64 {
+        let endpoints = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+        endpoints
+            .values()
+            .map(|b| b.amqp.connections_opened())
+            .sum()
+    }
+}

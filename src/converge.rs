@@ -1,0 +1,593 @@
+//! The broker side of a reconcile: declare the dead-letter exchange and queue, the queue, its
+//! settings (policy or arguments) and bindings, and report each step as a [`Check`].
+//!
+//! It never deletes, purges or re-creates a queue while converging. A refused declare closes
+//! only its channel; later steps take a fresh one, so one policy's conflict cannot disturb others.
+
+use crate::{
+    broker::{
+        Broker,
+        amqp::AmqpError,
+        management::ManagementError,
+        refusal::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, Refusal},
+    },
+    crd::{Binding, DeadLetterObservation, QueueObservation, SettingsMode},
+    duration::Human,
+    plan::QueuePlan,
+    settings::{self, ArgValue},
+    status::{Check, Outcome, Reason},
+};
+use lapin::{
+    ExchangeKind,
+    options::{
+        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+        QueueDeleteOptions,
+    },
+    types::{AMQPValue, FieldTable},
+};
+use std::collections::BTreeMap;
+
+/// How the queue itself is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Declare it (creating it if missing). Every declare renews its x-expires lease.
+    Declare,
+    /// Look at it through the management API only, so an unused queue still expires on schedule
+    /// (keepAlive: false, once the queue has been declared for this generation).
+    Observe,
+}
+
+/// Why a step could not finish.
+enum StepError {
+    Unreachable(String),
+    Refused(Refusal),
+}
+
+impl From<AmqpError> for StepError {
+    fn from(e: AmqpError) -> Self {
+        match e {
+            AmqpError::Refused(r) => Self::Refused(r),
+            unreachable => Self::Unreachable(unreachable.to_string()),
+        }
+    }
+}
+
+/// Converges one plan on one broker. `previous_bindings` are those applied last time, so ones
+/// removed from the spec are unbound.
+pub async fn converge(
+    plan: &QueuePlan,
+    broker: &Broker,
+    previous_bindings: &[Binding],
+    mode: Mode,
+) -> Outcome {
+    let vhost = broker.vhost().to_owned();
+    let (dead_letter, dead_letter_observation) = match declare_dead_letter(plan, broker).await {
+        Ok(obs) => (
+            Check::ok(Reason::Declared, dead_letter_summary(plan)),
+            Some(obs),
+        ),
+        Err(StepError::Unreachable(msg)) => return unreachable(msg),
+        Err(StepError::Refused(r)) => (
+            refused_check(
+                &r,
+                &format!("dead-letter exchange or queue of {}", plan.queue),
+            ),
+            None,
+        ),
+    };
+
+    let queue_step = match mode {
+        Mode::Declare => declare_queue(plan, broker).await,
+        Mode::Observe => observe_queue(plan, broker, &vhost).await,
+    };
+    let (mut queue, mut queue_observation) = match queue_step {
+        Ok(obs) => (
+            Check::ok(Reason::Declared, queue_summary(plan, &vhost)),
+            Some(obs),
+        ),
+        Err(StepError::Unreachable(msg)) => return unreachable(msg),
+        Err(StepError::Refused(r)) => (queue_refusal(plan, &vhost, &r), None),
+    };
+
+    let (settings, broker_policy) = if !queue.is_ok() {
+        (
+            Check::unknown(
+                Reason::QueueNotDeclared,
+                "settings wait until the queue is declared as specified",
+            ),
+            None,
+        )
+    } else {
+        match plan.mode {
+            SettingsMode::Arguments => (
+                Check::ok(
+                    Reason::ArgumentsApplied,
+                    format!("{} set as queue arguments", settings_list(plan)),
+                ),
+                None,
+            ),
+            SettingsMode::Policy => apply_policy(plan, broker, &vhost).await,
+        }
+    };
+
+    let mut applied_bindings = None;
+    if queue.is_ok() && (mode == Mode::Declare || previous_bindings != plan.bindings) {
+        let (applied, failure) = apply_bindings(plan, broker, previous_bindings).await;
+        applied_bindings = Some(applied);
+        match failure {
+            None => {}
+            Some(StepError::Unreachable(msg)) => {
+                queue = Check::unknown(Reason::BrokerUnreachable, msg)
+            }
+            Some(StepError::Refused(r)) => queue = binding_refusal(plan, &vhost, &r),
+        }
+    }
+
+    if let Some(obs) = queue_observation
+        .as_mut()
+        .filter(|o| o.messages_unacknowledged.is_none())
+    {
+        // Unacknowledged counts only exist in the management API; absent for a brand-new queue.
+        if let Ok(Some(info)) = broker.management.queue(&vhost, &plan.queue).await {
+            obs.messages_unacknowledged = info.messages_unacknowledged;
+        }
+    }
+
+    Outcome {
+        queue,
+        dead_letter,
+        settings,
+        queue_observation,
+        dead_letter_observation,
+        broker_policy,
+        applied_bindings,
+    }
+}
+
+fn unreachable(message: String) -> Outcome {
+    Outcome::blocked(Check::unknown(Reason::BrokerUnreachable, message))
+}
+
+async fn declare_dead_letter(
+    plan: &QueuePlan,
+    broker: &Broker,
+) -> Result<DeadLetterObservation, StepError> {
+    let s = &plan.settings;
+    let ch = broker.amqp.channel().await?;
+    let classify = |e| broker.amqp.classify(e);
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.exchange_declare(
+        s.dead_letter_exchange.as_str().into(),
+        ExchangeKind::Direct,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .map_err(classify)?;
+    let dlq = ch
+        .queue_declare(
+            plan.dead_letter_queue.as_str().into(),
+            durable_queue(),
+            field_table(&settings::dead_letter_queue_arguments(plan)),
+        )
+        .await
+        .map_err(classify)?;
+    ch.queue_bind(
+        plan.dead_letter_queue.as_str().into(),
+        s.dead_letter_exchange.as_str().into(),
+        s.dead_letter_routing_key.as_str().into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(classify)?;
+    Ok(DeadLetterObservation {
+        exchange: s.dead_letter_exchange.clone(),
+        queue: plan.dead_letter_queue.clone(),
+        messages_ready: Some(i64::from(dlq.message_count())),
+    })
+}
+
+async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObservation, StepError> {
+    let ch = broker.amqp.channel().await?;
+    let q = ch
+        .queue_declare(
+            plan.queue.as_str().into(),
+            durable_queue(),
+            field_table(&settings::queue_arguments(plan)),
+        )
+        .await
+        .map_err(|e| broker.amqp.classify(e))?;
+    Ok(QueueObservation {
+        name: plan.queue.clone(),
+        vhost: broker.vhost().to_owned(),
+        messages_ready: Some(i64::from(q.message_count())),
+        messages_unacknowledged: None,
+        consumers: Some(i64::from(q.consumer_count())),
+    })
+}
+
+/// Checks the queue through the management API, which does not renew its expiry lease.
+async fn observe_queue(
+    plan: &QueuePlan,
+    broker: &Broker,
+    vhost: &str,
+) -> Result<QueueObservation, StepError> {
+    let info = broker
+        .management
+        .queue(vhost, &plan.queue)
+        .await
+        .map_err(management_step_error)?;
+    let Some(info) = info else {
+        return Err(StepError::Refused(Refusal {
+            code: NOT_FOUND,
+            text: format!("NOT_FOUND - no queue '{}' in vhost '{vhost}'", plan.queue),
+        }));
+    };
+    let mut diffs =
+        settings::argument_differences(&settings::queue_arguments(plan), &info.arguments);
+    if !info.durable || info.auto_delete || info.exclusive {
+        diffs.insert(
+            0,
+            crate::broker::refusal::Inequivalence {
+                argument: "durable/auto_delete/exclusive".into(),
+                received: Some("true/false/false".into()),
+                current: Some(format!(
+                    "{}/{}/{}",
+                    info.durable, info.auto_delete, info.exclusive
+                )),
+            },
+        );
+    }
+    if let Some(first) = diffs.first() {
+        return Err(StepError::Refused(Refusal {
+            code: PRECONDITION_FAILED,
+            text: format!(
+                "PRECONDITION_FAILED - inequivalent arg '{}' for queue '{}' in vhost '{vhost}': received {} but current is {}",
+                first.argument,
+                plan.queue,
+                quoted(&first.received),
+                quoted(&first.current)
+            ),
+        }));
+    }
+    Ok(QueueObservation {
+        name: plan.queue.clone(),
+        vhost: vhost.to_owned(),
+        messages_ready: info.messages_ready,
+        messages_unacknowledged: info.messages_unacknowledged,
+        consumers: info.consumers,
+    })
+}
+
+fn quoted(v: &Option<String>) -> String {
+    v.as_ref()
+        .map_or_else(|| "none".to_owned(), |v| format!("'{v}'"))
+}
+
+fn management_step_error(e: ManagementError) -> StepError {
+    match e {
+        ManagementError::Unreachable { .. } => StepError::Unreachable(e.to_string()),
+        ManagementError::Rejected { status, .. } => StepError::Refused(Refusal {
+            code: if matches!(status, 401 | 403) {
+                ACCESS_REFUSED
+            } else {
+                0
+            },
+            text: e.to_string(),
+        }),
+    }
+}
+
+async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check, Option<String>) {
+    let failed = |e: ManagementError| match e {
+        ManagementError::Unreachable { .. } => {
+            Check::unknown(Reason::BrokerUnreachable, e.to_string())
+        }
+        ManagementError::Rejected {
+            status: 401 | 403, ..
+        } => Check::failed(Reason::AccessRefused, e.to_string()),
+        ManagementError::Rejected { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
+    };
+    let existing = match broker.management.policies(vhost).await {
+        Ok(p) => p,
+        Err(e) => return (failed(e), None),
+    };
+    let decision = settings::policy_decision(plan, &existing);
+    if !decision.up_to_date {
+        if let Err(e) = broker.management.put_policy(vhost, &decision.desired).await {
+            return (failed(e), None);
+        }
+    }
+    let name = Some(decision.desired.name.clone());
+    if let Some(winner) = decision.shadowed_by {
+        let msg = format!(
+            "policy '{}' (pattern {:?}, priority {}) also matches queue '{}' at priority {} or higher; RabbitMQ applies one policy per queue, so {} from '{}' are not in effect. Lower that policy's priority below {} or narrow its pattern; queueguard leaves it alone",
+            winner.name,
+            winner.pattern,
+            winner.priority,
+            plan.queue,
+            settings::POLICY_PRIORITY,
+            settings_list(plan),
+            decision.desired.name,
+            settings::POLICY_PRIORITY
+        );
+        return (Check::failed(Reason::PolicyShadowed, msg), name);
+    }
+    let mut msg = format!(
+        "policy '{}' applies {}",
+        decision.desired.name,
+        settings_list(plan)
+    );
+    if let Some(displaced) = &decision.displaced {
+        msg.push_str(&format!(
+            " and carries forward the other keys of policy '{displaced}', which it displaces"
+        ));
+    }
+    if !decision.unreadable.is_empty() {
+        msg.push_str(&format!(
+            "; could not evaluate the pattern of {:?}, check them by hand",
+            decision.unreadable
+        ));
+    }
+    (Check::ok(Reason::PolicyApplied, msg), name)
+}
+
+/// Binds what the spec lists and unbinds what it no longer lists. Returns the bindings now in
+/// place, even when a step failed, so a later reconcile knows what to unbind.
+async fn apply_bindings(
+    plan: &QueuePlan,
+    broker: &Broker,
+    previous: &[Binding],
+) -> (Vec<Binding>, Option<StepError>) {
+    let mut applied: Vec<Binding> = previous.to_vec();
+    let classify = |e| StepError::from(broker.amqp.classify(e));
+    let ch = match broker.amqp.channel().await {
+        Ok(ch) => ch,
+        Err(e) => return (applied, Some(e.into())),
+    };
+    for b in &plan.bindings {
+        let bound = ch
+            .queue_bind(
+                plan.queue.as_str().into(),
+                b.exchange.as_str().into(),
+                b.routing_key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        match bound {
+            Ok(()) if !applied.contains(b) => applied.push(b.clone()),
+            Ok(()) => {}
+            Err(e) => return (applied, Some(classify(e))),
+        }
+    }
+    drop(ch);
+    for b in previous.iter().filter(|b| !plan.bindings.contains(b)) {
+        let ch = match broker.amqp.channel().await {
+            Ok(ch) => ch,
+            Err(e) => return (applied, Some(e.into())),
+        };
+        let unbound = ch
+            .queue_unbind(
+                plan.queue.as_str().into(),
+                b.exchange.as_str().into(),
+                b.routing_key.as_str().into(),
+                FieldTable::default(),
+            )
+            .await;
+        match unbound.map_err(classify) {
+            // The exchange is gone, and the binding with it.
+            Ok(())
+            | Err(StepError::Refused(Refusal {
+                code: NOT_FOUND, ..
+            })) => applied.retain(|a| a != b),
+            Err(other) => return (applied, Some(other)),
+        }
+    }
+    applied.sort();
+    (applied, None)
+}
+
+fn durable_queue() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
+}
+
+fn field_table(args: &BTreeMap<&'static str, ArgValue>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (k, v) in args {
+        let value = match v {
+            ArgValue::Long(n) => AMQPValue::LongLongInt(*n),
+            ArgValue::Str(s) => AMQPValue::LongString(s.as_str().into()),
+        };
+        table.insert((*k).into(), value);
+    }
+    table
+}
+
+fn queue_summary(plan: &QueuePlan, vhost: &str) -> String {
+    format!(
+        "queue '{}' in vhost '{vhost}' is durable ({}), expires after {} unused",
+        plan.queue,
+        plan.queue_type.as_str(),
+        Human(plan.settings.expires)
+    )
+}
+
+fn dead_letter_summary(plan: &QueuePlan) -> String {
+    let s = &plan.settings;
+    format!(
+        "dead letters go to exchange '{}' and queue '{}' (routing key '{}')",
+        s.dead_letter_exchange, plan.dead_letter_queue, s.dead_letter_routing_key
+    )
+}
+
+fn settings_list(plan: &QueuePlan) -> String {
+    let s = &plan.settings;
+    let mut parts = vec![
+        format!("expires {}", Human(s.expires)),
+        "dead-lettering".to_owned(),
+    ];
+    if let Some(ttl) = s.message_ttl {
+        parts.push(format!("message TTL {}", Human(ttl)));
+    }
+    if let Some(n) = s.max_length {
+        parts.push(format!(
+            "max length {n}{}",
+            s.overflow
+                .map(|o| format!(" ({})", o.as_str()))
+                .unwrap_or_default()
+        ));
+    }
+    parts.join(", ")
+}
+
+fn refused_check(r: &Refusal, what: &str) -> Check {
+    match r.code {
+        PRECONDITION_FAILED => match r.inequivalence() {
+            Some(i) => Check::failed(
+                Reason::ArgumentsConflict,
+                format!(
+                    "{what}: {i}; queueguard never deletes or re-creates an existing entity ({r})"
+                ),
+            ),
+            None => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
+        },
+        ACCESS_REFUSED => Check::failed(
+            Reason::AccessRefused,
+            format!("{what}: the broker user lacks permission ({r})"),
+        ),
+        _ => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
+    }
+}
+
+fn queue_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
+    if r.code == NOT_FOUND {
+        return Check::failed(
+            Reason::QueueNotFound,
+            format!(
+                "queue '{}' is gone from vhost '{vhost}' (expired after {} unused, or deleted); keepAlive is false, so queueguard does not re-declare it: the next application declare re-creates it, or set keepAlive: true",
+                plan.queue,
+                Human(plan.settings.expires)
+            ),
+        );
+    }
+    let what = format!(
+        "queue '{}' in vhost '{vhost}' already exists with other settings",
+        plan.queue
+    );
+    let mut check = refused_check(r, &what);
+    if check.reason == Reason::ArgumentsConflict {
+        check.message.push_str(
+            ". Make the policy match the queue, or move its messages and delete it yourself",
+        );
+    }
+    check
+}
+
+fn binding_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
+    if r.code == NOT_FOUND {
+        return Check::failed(
+            Reason::ExchangeNotFound,
+            format!(
+                "cannot bind queue '{}': {r}; create the exchange first (queueguard binds to existing exchanges only)",
+                plan.queue
+            ),
+        );
+    }
+    refused_check(
+        r,
+        &format!("binding queue '{}' in vhost '{vhost}'", plan.queue),
+    )
+}
+
+/// What deleting a QueuePolicy did on the broker.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Cleanup {
+    /// Everything the policy owned is gone (or was already).
+    Deleted(String),
+    /// Something still holds messages or consumers, or the broker cannot be reached: retry.
+    Blocked(Check),
+}
+
+/// deletionPolicy: Delete. Deletes the queue only if it is empty and unused (the broker checks
+/// both atomically), then the dead-letter queue under the same rule, the dead-letter exchange if
+/// nothing else uses it, and the operator's policy.
+pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
+    let vhost = broker.vhost().to_owned();
+    for queue in [&plan.queue, &plan.dead_letter_queue] {
+        match delete_queue_if_idle(broker, queue).await {
+            Ok(()) => {}
+            Err(StepError::Unreachable(msg)) => {
+                return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, msg));
+            }
+            Err(StepError::Refused(r)) if r.code == PRECONDITION_FAILED => {
+                let detail = match broker.management.queue(&vhost, queue).await {
+                    Ok(Some(info)) => format!(
+                        "{} ready and {} unacknowledged messages, {} consumers",
+                        info.messages_ready.unwrap_or_default(),
+                        info.messages_unacknowledged.unwrap_or_default(),
+                        info.consumers.unwrap_or_default()
+                    ),
+                    _ => r.text.clone(),
+                };
+                return Cleanup::Blocked(Check::failed(
+                    Reason::DeletionBlocked,
+                    format!(
+                        "queue '{queue}' is not empty or still has consumers ({detail}); deletionPolicy Delete only removes an empty, unused queue. Drain it, or set deletionPolicy: Retain"
+                    ),
+                ));
+            }
+            Err(StepError::Refused(r)) => {
+                return Cleanup::Blocked(refused_check(&r, &format!("deleting queue '{queue}'")));
+            }
+        }
+    }
+    if let Ok(ch) = broker.amqp.channel().await {
+        // Another queue may still use the exchange; then it stays.
+        let _ = ch
+            .exchange_delete(
+                plan.settings.dead_letter_exchange.as_str().into(),
+                ExchangeDeleteOptions {
+                    if_unused: true,
+                    ..Default::default()
+                },
+            )
+            .await;
+    }
+    if plan.mode == SettingsMode::Policy {
+        if let Err(e) = broker
+            .management
+            .delete_policy(&vhost, &plan.policy_name)
+            .await
+        {
+            return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, e.to_string()));
+        }
+    }
+    Cleanup::Deleted(format!(
+        "deleted queue '{}', dead-letter queue '{}' and their settings from vhost '{vhost}'",
+        plan.queue, plan.dead_letter_queue
+    ))
+}
+
+async fn delete_queue_if_idle(broker: &Broker, queue: &str) -> Result<(), StepError> {
+    let ch = broker.amqp.channel().await?;
+    let options = QueueDeleteOptions {
+        if_unused: true,
+        if_empty: true,
+        ..Default::default()
+    };
+    match ch.queue_delete(queue.into(), options).await {
+        Ok(_) => Ok(()),
+        Err(e) => match StepError::from(broker.amqp.classify(e)) {
+            StepError::Refused(r) if r.code == NOT_FOUND => Ok(()),
+            other => Err(other),
+        },
+    }
+}

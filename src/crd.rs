@@ -1,0 +1,422 @@
+//! The `QueuePolicy` resource (`queueguard.io/v1alpha1`), generated into `crds/queuepolicy.yaml`.
+//!
+//! Serde defaults here mirror the schema defaults the API server applies, so a policy read from a
+//! file in local mode means the same as one read from the cluster.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub const GROUP: &str = "queueguard.io";
+pub const API_VERSION: &str = "queueguard.io/v1alpha1";
+
+/// Declares one RabbitMQ queue safely (durable, never auto-delete, with an expiry safety net and a
+/// dead-letter exchange and queue) and guards the rollouts of the Deployment that consumes it.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "queueguard.io",
+    version = "v1alpha1",
+    kind = "QueuePolicy",
+    namespaced,
+    shortname = "qp",
+    category = "queueguard",
+    status = "QueuePolicyStatus",
+    derive = "PartialEq",
+    doc = "QueuePolicy declares one RabbitMQ queue safely and guards the rollouts of its consumers.",
+    printcolumn(
+        name = "Queue",
+        type_ = "string",
+        json_path = ".status.queue.name",
+        description = "queue name on the broker"
+    ),
+    printcolumn(
+        name = "Type",
+        type_ = "string",
+        json_path = ".spec.queue.type",
+        description = "classic or quorum"
+    ),
+    printcolumn(
+        name = "Consumers",
+        type_ = "integer",
+        json_path = ".status.queue.consumers",
+        description = "consumers attached to the queue"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status",
+        description = "whether the queue is declared as specified"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct QueuePolicySpec {
+    /// Where the broker is and how to log in. Immutable: pointing a policy at another broker
+    /// would orphan the queue and its messages on the old one.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.broker is immutable: create a new QueuePolicy for another broker"))]
+    pub broker: BrokerSpec,
+    /// The queue to declare and how.
+    pub queue: QueueSpec,
+    /// The Deployment whose pods consume the queue; its rollouts are gated on consumers attaching.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<ConsumersSpec>,
+    /// How rollouts of the consumer Deployment are gated.
+    #[serde(default)]
+    pub gate: GateSpec,
+    /// What happens to the queue when this QueuePolicy is deleted. Retain (default) leaves it and
+    /// its broker policy in place; Delete removes it only if it is empty and has no consumers.
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+}
+
+/// Broker connection, read from a Secret in the QueuePolicy's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BrokerSpec {
+    /// Secret holding `uri` (amqp:// or amqps://user:pass@host:port/vhost) and optionally
+    /// `managementUri` (http[s]://host:15672; default: the AMQP host on port 15672 with the same
+    /// credentials).
+    pub secret_ref: SecretRef,
+    /// Virtual host of the queue. Default: the vhost in the Secret's `uri`, else `/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub vhost: Option<String>,
+}
+
+/// A Secret in the QueuePolicy's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct SecretRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// The queue and the settings that keep its messages safe.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("(has(self.name) ? self.name : '') == (has(oldSelf.name) ? oldSelf.name : '')").message("spec.queue.name is immutable: renaming would orphan the old queue and its messages"),
+    validation = Rule::new("!(self.type == 'quorum' && has(self.overflow) && self.overflow == 'reject-publish-dlx')").message("quorum queues do not support overflow reject-publish-dlx; use reject-publish or drop-head"),
+    validation = Rule::new("!has(self.overflow) || has(self.maxLength)").message("overflow only applies together with maxLength")
+)]
+pub struct QueueSpec {
+    /// Queue name on the broker. Default: the QueuePolicy's name. Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    #[x_kube(validation = Rule::new("!self.startsWith('amq.')").message("queue names starting with 'amq.' are reserved by the broker"))]
+    pub name: Option<String>,
+    /// Queue type. Immutable: the broker cannot convert an existing queue.
+    #[serde(default, rename = "type")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.queue.type is immutable: the broker cannot convert an existing queue"))]
+    pub queue_type: QueueType,
+    /// How expiry, dead-lettering, TTL and length limits reach the queue. Policy (default): an
+    /// operator-owned RabbitMQ policy, so applications may keep declaring the queue plainly.
+    /// Arguments: x- arguments at declaration, which every later declare must repeat exactly.
+    #[serde(default)]
+    pub settings: SettingsMode,
+    /// Inactivity expiry (x-expires), the safety net instead of auto-delete: the broker deletes the
+    /// queue once it has had no consumers and no declares for this long. At least 1m. Messages of
+    /// an expired queue are dropped, not dead-lettered.
+    #[serde(default = "default_expires")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) >= duration('1m')").message("expires must be at least 1m"))]
+    pub expires: String,
+    /// Whether the operator's periodic re-declares renew the expiry lease, so the queue lives as
+    /// long as this QueuePolicy. When false the operator observes through the management API only
+    /// and an unused queue expires on schedule.
+    #[serde(default = "default_true")]
+    pub keep_alive: bool,
+    /// Per-queue message TTL (x-message-ttl); expired messages are dead-lettered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub message_ttl: Option<String>,
+    /// Maximum number of ready messages (x-max-length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub max_length: Option<i64>,
+    /// What happens when maxLength is reached (x-overflow). Default: the broker's drop-head, which
+    /// dead-letters the oldest messages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overflow: Option<Overflow>,
+    /// Dead-letter exchange and queue, declared and bound by the operator.
+    #[serde(default)]
+    pub dead_letter: DeadLetterSpec,
+    /// Bindings from existing exchanges to the queue.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub bindings: Vec<Binding>,
+}
+
+fn default_expires() -> String {
+    "30m".into()
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// Broker queue type, sent as x-queue-type.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueType {
+    #[default]
+    Classic,
+    Quorum,
+}
+
+impl QueueType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Classic => "classic",
+            Self::Quorum => "quorum",
+        }
+    }
+}
+
+/// How queue settings reach the broker.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum SettingsMode {
+    #[default]
+    Policy,
+    Arguments,
+}
+
+impl SettingsMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Policy => "Policy",
+            Self::Arguments => "Arguments",
+        }
+    }
+}
+
+/// Behaviour of a full queue (x-overflow).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overflow {
+    DropHead,
+    RejectPublish,
+    RejectPublishDlx,
+}
+
+impl Overflow {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::DropHead => "drop-head",
+            Self::RejectPublish => "reject-publish",
+            Self::RejectPublishDlx => "reject-publish-dlx",
+        }
+    }
+}
+
+/// Dead-lettering: rejected, expired and overflowing messages go to this exchange, routed to
+/// this queue. The dead-letter queue never expires.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetterSpec {
+    /// Dead-letter exchange (direct, durable). Default: `<queue>.dlx`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub exchange: Option<String>,
+    /// Routing key dead letters are published with (x-dead-letter-routing-key). Default: the
+    /// queue name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub routing_key: Option<String>,
+    /// Dead-letter queue, bound to the exchange with the routing key. Default: `<queue>.dlq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub queue: Option<String>,
+}
+
+/// A binding from an existing exchange to the queue.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Binding {
+    /// Source exchange; it must already exist.
+    #[schemars(length(min = 1, max = 255))]
+    pub exchange: String,
+    /// Routing key (pattern for topic exchanges).
+    #[serde(default)]
+    #[schemars(length(max = 255))]
+    pub routing_key: String,
+}
+
+/// The consumers of the queue.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.deployment) != has(self.selector)").message("set exactly one of consumers.deployment and consumers.selector"))]
+pub struct ConsumersSpec {
+    /// Name of the consumer Deployment in this namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub deployment: Option<String>,
+    /// Label selector of the consumer Deployment(s), instead of a name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<LabelSelector>,
+    /// Consumers that must stay attached during a rollout.
+    #[serde(default = "default_min_attached")]
+    #[schemars(range(min = 1))]
+    pub min_attached: i32,
+    /// Seconds a consumer must stay attached before its pod counts as attached (like
+    /// minReadySeconds).
+    #[serde(default = "default_min_attached_seconds")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub min_attached_seconds: i32,
+    /// How a broker consumer is matched to its pod: PodIP (the connection's peer address, the
+    /// default) or ConnectionName (the client's connection name contains the pod name; use it
+    /// where the broker sees NAT addresses).
+    #[serde(default)]
+    pub match_by: MatchBy,
+}
+
+fn default_min_attached() -> i32 {
+    1
+}
+
+fn default_min_attached_seconds() -> i32 {
+    5
+}
+
+/// How consumers are matched to pods.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum MatchBy {
+    #[default]
+    #[serde(rename = "PodIP")]
+    PodIp,
+    ConnectionName,
+}
+
+/// Rollout gating.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GateSpec {
+    /// Enforce patches pod readiness conditions; Observe computes and reports only.
+    #[serde(default)]
+    pub mode: GateMode,
+    /// Closed: while the broker is unreachable no pod is marked attached, so rollouts wait.
+    /// Open: after attachTimeout the pod is marked attached anyway, with a Warning Event.
+    #[serde(default)]
+    pub failure_policy: FailurePolicy,
+    /// How long a new pod may wait for its consumer before the rollout counts as stalled.
+    #[serde(default = "default_attach_timeout")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub attach_timeout: String,
+    /// Patch an unsafe Deployment strategy to a safe RollingUpdate (maxUnavailable 0, maxSurge
+    /// at least 1); when false, only report it.
+    #[serde(default = "default_true")]
+    pub manage_strategy: bool,
+    /// Maintain a PodDisruptionBudget (minAvailable: minAttached) over the consumer pods.
+    #[serde(default = "default_true")]
+    pub pod_disruption_budget: bool,
+}
+
+impl Default for GateSpec {
+    fn default() -> Self {
+        Self {
+            mode: GateMode::default(),
+            failure_policy: FailurePolicy::default(),
+            attach_timeout: default_attach_timeout(),
+            manage_strategy: true,
+            pod_disruption_budget: true,
+        }
+    }
+}
+
+fn default_attach_timeout() -> String {
+    "10m".into()
+}
+
+/// Whether the gate acts or only reports.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum GateMode {
+    #[default]
+    Enforce,
+    Observe,
+}
+
+/// What the gate does when it cannot see the broker.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum FailurePolicy {
+    #[default]
+    Closed,
+    Open,
+}
+
+/// What deleting the QueuePolicy does to the queue.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum DeletionPolicy {
+    #[default]
+    Retain,
+    Delete,
+}
+
+/// Observed state, per Kubernetes API conventions.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QueuePolicyStatus {
+    /// The metadata.generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Ready, QueueDeclared, DeadLetterReady and SettingsApplied, each with a machine-readable
+    /// reason and a human message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The queue as last seen on the broker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueObservation>,
+    /// The dead-letter queue as last seen on the broker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter: Option<DeadLetterObservation>,
+    /// Name of the operator-owned RabbitMQ policy (Policy mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broker_policy: Option<String>,
+    /// Bindings the operator has applied, so bindings removed from the spec are unbound.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub applied_bindings: Vec<Binding>,
+}
+
+/// Queue facts from the broker.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QueueObservation {
+    /// Queue name.
+    pub name: String,
+    /// Virtual host.
+    pub vhost: String,
+    /// Messages ready for delivery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages_ready: Option<i64>,
+    /// Messages delivered and not yet acknowledged (management API; absent until the broker has
+    /// published its first statistics for the queue).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages_unacknowledged: Option<i64>,
+    /// Consumers attached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<i64>,
+}
+
+/// Dead-letter facts from the broker.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetterObservation {
+    /// Dead-letter exchange.
+    pub exchange: String,
+    /// Dead-letter queue.
+    pub queue: String,
+    /// Messages waiting in the dead-letter queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages_ready: Option<i64>,
+}
+
+/// The CRD as YAML, exactly as committed in `crds/queuepolicy.yaml`.
+pub fn crd_yaml() -> String {
+    let crd = QueuePolicy::crd();
+    let body = serde_yaml_ng::to_string(&crd).expect("a CRD always serialises");
+    format!("# Generated by `queueguard crd`; do not edit.\n---\n{body}")
+}

@@ -1,0 +1,113 @@
+//! Which Kubernetes Events a status change deserves: one per condition transition, never one per
+//! reconcile.
+
+use crate::status::ConditionType;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+/// Events carry at most 1 KiB of note.
+const MAX_NOTE: usize = 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSpec {
+    pub warning: bool,
+    pub reason: String,
+    pub action: &'static str,
+    pub note: String,
+}
+
+/// Events for conditions whose status or reason changed. Several conditions failing for the same
+/// reason and message (an unreachable broker) make one Event.
+pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
+    let mut events: Vec<EventSpec> = Vec::new();
+    for (kind, action) in [
+        (ConditionType::QueueDeclared, "DeclareQueue"),
+        (ConditionType::DeadLetterReady, "DeclareDeadLetter"),
+        (ConditionType::SettingsApplied, "ApplySettings"),
+    ] {
+        let Some(now) = crate::status::find(new, kind) else {
+            continue;
+        };
+        let before = crate::status::find(old, kind);
+        if before.is_some_and(|b| b.status == now.status && b.reason == now.reason) {
+            continue;
+        }
+        let event = EventSpec {
+            warning: now.status != "True",
+            reason: now.reason.clone(),
+            action,
+            note: truncate(&now.message),
+        };
+        if !events
+            .iter()
+            .any(|e| e.reason == event.reason && e.note == event.note)
+        {
+            events.push(event);
+        }
+    }
+    events
+}
+
+pub fn truncate(text: &str) -> String {
+    if text.len() <= MAX_NOTE {
+        return text.to_owned();
+    }
+    let mut end = MAX_NOTE - 3;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::{Check, Outcome, Reason, next_status};
+    use k8s_openapi::jiff::Timestamp;
+
+    fn conditions(outcome: &Outcome) -> Vec<Condition> {
+        next_status(None, outcome, Some(1), Timestamp::UNIX_EPOCH).conditions
+    }
+
+    fn ready() -> Outcome {
+        let mut o = Outcome::blocked(Check::ok(Reason::Declared, "fine"));
+        o.settings = Check::ok(Reason::PolicyApplied, "policy applied");
+        o
+    }
+
+    #[test]
+    fn first_reconcile_announces_each_step() {
+        let events = transitions(&[], &conditions(&ready()));
+        let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
+        assert_eq!(
+            reasons,
+            ["Declared", "PolicyApplied"],
+            "two steps with the same reason and note make one Event"
+        );
+        assert!(events.iter().all(|e| !e.warning));
+    }
+
+    #[test]
+    fn nothing_changed_means_no_events() {
+        let c = conditions(&ready());
+        assert!(transitions(&c, &c).is_empty());
+    }
+
+    #[test]
+    fn an_unreachable_broker_is_one_warning() {
+        let down = Outcome::blocked(Check::unknown(
+            Reason::BrokerUnreachable,
+            "cannot connect to amqp://h:5672/%2F",
+        ));
+        let events = transitions(&conditions(&ready()), &conditions(&down));
+        assert_eq!(events.len(), 1);
+        assert!(events[0].warning);
+        assert_eq!(events[0].reason, "BrokerUnreachable");
+    }
+
+    #[test]
+    fn notes_are_cut_to_the_api_limit_on_a_char_boundary() {
+        let long = "é".repeat(1000);
+        let cut = truncate(&long);
+        assert!(cut.len() <= MAX_NOTE && cut.ends_with("..."));
+    }
+}

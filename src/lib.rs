@@ -1,0 +1,31 @@
+//! queueguard: a Kubernetes operator that keeps RabbitMQ queues, and the messages in them, safe
+//! across consumer rollouts.
+//!
+//! Data flow of one reconcile:
+//!
+//! ```text
+//! QueuePolicy ──plan::plan──▶ QueuePlan ──converge::converge──▶ Outcome ──status::next_status──▶ .status
+//!  (crd)        (pure)                     (broker: AMQP declares,          (pure)                 + Events
+//!                                            management API policy)
+//! ```
+//!
+//! Decisions are plain functions ([`plan`], [`settings`], [`status`], [`events`]); I/O lives in
+//! thin adapters ([`broker`] for RabbitMQ, [`controller`] for Kubernetes).
+
+pub mod broker;
+pub mod cli;
+pub mod controller;
+pub mod converge;
+pub mod crd;
+pub mod duration;
+pub mod events;
+pub mod local;
+pub mod plan;
+pub mod reconcile;
+pub mod secret;
+pub mod settings;
+pub mod status;
+pub mod tls;
+
+#[cfg(test)]
+mod testing;

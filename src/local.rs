@@ -1,0 +1,277 @@
+//! Local mode (`queueguard apply -f FILE`): reconcile the broker side of QueuePolicies read from
+//! manifests, with no cluster, and print each resulting status.
+
+use crate::{
+    broker::{BrokerCredentials, BrokerPool},
+    converge::{self, Mode},
+    crd::{QueuePolicy, QueuePolicyStatus},
+    plan::{self, Limits},
+    reconcile, secret,
+    status::{Check, Outcome, Reason, next_status},
+};
+use k8s_openapi::{api::core::v1::Secret, jiff::Timestamp};
+use serde::Deserialize;
+use std::{fmt, io::Read};
+
+/// A manifest that cannot be read; names the document (1-based) and, where known, the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputError {
+    pub source: String,
+    pub document: usize,
+    pub message: String,
+}
+
+impl fmt::Display for InputError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: document {}: {}",
+            self.source, self.document, self.message
+        )
+    }
+}
+
+/// The objects of a manifest that local mode uses.
+#[derive(Debug, Default)]
+pub struct Manifest {
+    pub policies: Vec<QueuePolicy>,
+    pub secrets: Vec<Secret>,
+}
+
+/// Reads multi-document YAML. QueuePolicies are read strictly (an unknown field is an error, as
+/// kubectl's strict field validation makes it); Secrets feed credentials; other kinds are skipped.
+pub fn read_manifest(source: &str, text: &str) -> Result<Manifest, InputError> {
+    let mut manifest = Manifest::default();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let document = i + 1;
+        let err = |message: String| InputError {
+            source: source.to_owned(),
+            document,
+            message,
+        };
+        let value = serde_yaml_ng::Value::deserialize(doc).map_err(|e| err(e.to_string()))?;
+        if value.is_null() {
+            continue;
+        }
+        let kind = value
+            .get("kind")
+            .and_then(|k| k.as_str())
+            .unwrap_or_default()
+            .to_owned();
+        match kind.as_str() {
+            "QueuePolicy" => {
+                let api_version = value
+                    .get("apiVersion")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or_default();
+                if api_version != crate::crd::API_VERSION {
+                    return Err(err(format!(
+                        "apiVersion: expected {}, found {api_version:?}",
+                        crate::crd::API_VERSION
+                    )));
+                }
+                manifest.policies.push(strict(value).map_err(err)?);
+            }
+            "Secret" => manifest.secrets.push(strict(value).map_err(err)?),
+            "" => return Err(err("kind: missing".into())),
+            _ => {}
+        }
+    }
+    Ok(manifest)
+}
+
+/// Deserialises, naming the field path of a type error and rejecting unknown fields.
+fn strict<T: serde::de::DeserializeOwned>(value: serde_yaml_ng::Value) -> Result<T, String> {
+    let mut unknown = Vec::new();
+    let mut record = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
+    let de = serde_ignored::Deserializer::new(value, &mut record);
+    let typed: T = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." {
+            inner
+        } else {
+            format!("{path}: {inner}")
+        }
+    })?;
+    // Type metadata is read by kube's own (de)serialisers, which serde_ignored cannot see into.
+    unknown.retain(|p| p != "apiVersion" && p != "kind");
+    match unknown.first() {
+        Some(path) => Err(format!("{path}: unknown field")),
+        None => Ok(typed),
+    }
+}
+
+/// Reads a file, or stdin for `-`.
+pub fn read_source(path: &str) -> Result<String, InputError> {
+    let err = |e: std::io::Error| InputError {
+        source: path.to_owned(),
+        document: 0,
+        message: e.to_string(),
+    };
+    if path == "-" {
+        let mut text = String::new();
+        std::io::stdin().read_to_string(&mut text).map_err(err)?;
+        Ok(text)
+    } else {
+        std::fs::read_to_string(path).map_err(err)
+    }
+}
+
+/// One policy's local result.
+pub struct Applied {
+    pub namespace: String,
+    pub name: String,
+    pub status: QueuePolicyStatus,
+    pub ready: bool,
+}
+
+/// Reconciles every policy of the manifest against the broker. `broker` (the --broker flag)
+/// overrides the Secrets of the manifest.
+pub async fn apply(
+    manifest: &Manifest,
+    broker: Option<&BrokerCredentials>,
+    pool: &BrokerPool,
+    limits: Limits,
+) -> Vec<Applied> {
+    let mut results = Vec::new();
+    for policy in &manifest.policies {
+        let namespace = policy
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let name = policy.metadata.name.clone().unwrap_or_default();
+        let outcome = match plan::plan(policy, limits) {
+            Err(errors) => {
+                Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(&errors)))
+            }
+            Ok(plan) => {
+                let creds = match broker {
+                    Some(c) => Ok(c.clone()),
+                    None => credentials_in(manifest, &namespace, &plan.secret_name),
+                };
+                match creds.and_then(|c| reconcile::connect(pool, &plan, &c)) {
+                    Err(check) => Outcome::blocked(check),
+                    Ok(broker) => {
+                        let previous = policy
+                            .status
+                            .as_ref()
+                            .map(|s| s.applied_bindings.clone())
+                            .unwrap_or_default();
+                        converge::converge(&plan, &broker, &previous, Mode::Declare).await
+                    }
+                }
+            }
+        };
+        let ready = outcome.is_ready();
+        let status = next_status(
+            policy.status.as_ref(),
+            &outcome,
+            policy.metadata.generation,
+            Timestamp::now(),
+        );
+        results.push(Applied {
+            namespace,
+            name,
+            status,
+            ready,
+        });
+    }
+    results
+}
+
+fn credentials_in(
+    manifest: &Manifest,
+    namespace: &str,
+    secret_name: &str,
+) -> Result<BrokerCredentials, Check> {
+    let found = manifest.secrets.iter().find(|s| {
+        s.metadata.name.as_deref() == Some(secret_name)
+            && s.metadata.namespace.as_deref().unwrap_or("default") == namespace
+    });
+    match found {
+        Some(s) => secret::credentials(s),
+        None => Err(Check::failed(
+            Reason::SecretNotFound,
+            format!(
+                "Secret '{namespace}/{secret_name}' is not in the input; pass --broker URI (or QUEUEGUARD_BROKER_URI) or include the Secret"
+            ),
+        )),
+    }
+}
+
+/// The YAML printed for one result: a comment naming the policy, then its status.
+pub fn render(applied: &Applied) -> String {
+    let body = serde_yaml_ng::to_string(&applied.status).expect("status serialises");
+    format!(
+        "---\n# QueuePolicy {}/{}\n{body}",
+        applied.namespace, applied.name
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: &str = "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {name: orders, namespace: shop}\nspec:\n  broker: {secretRef: {name: rabbitmq}}\n  queue: {expires: 1h}\n";
+
+    #[test]
+    fn reads_policies_and_secrets_and_skips_other_kinds() {
+        let text = format!(
+            "{POLICY}---\napiVersion: v1\nkind: Secret\nmetadata: {{name: rabbitmq, namespace: shop}}\nstringData: {{uri: 'amqp://u:p@h/'}}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: x}}\n---\n"
+        );
+        let m = read_manifest("f.yaml", &text).unwrap();
+        assert_eq!(m.policies.len(), 1);
+        assert_eq!(m.secrets.len(), 1);
+        assert_eq!(
+            credentials_in(&m, "shop", "rabbitmq").unwrap().uri,
+            "amqp://u:p@h/"
+        );
+        assert_eq!(
+            credentials_in(&m, "other", "rabbitmq").unwrap_err().reason,
+            Reason::SecretNotFound
+        );
+    }
+
+    #[test]
+    fn type_errors_name_document_and_field() {
+        let text = format!(
+            "{POLICY}---\n{}",
+            POLICY.replace("{expires: 1h}", "{expires: 1h, maxLength: lots}")
+        );
+        let err = read_manifest("f.yaml", &text).unwrap_err();
+        assert_eq!(err.document, 2);
+        assert!(
+            err.message
+                .starts_with("spec.queue.maxLength: invalid type"),
+            "{err}"
+        );
+        assert!(err.to_string().starts_with("f.yaml: document 2: "), "{err}");
+    }
+
+    #[test]
+    fn unknown_fields_are_errors_like_kubectl_strict_validation() {
+        let err =
+            read_manifest("f.yaml", &POLICY.replace("expires: 1h", "expire: 1h")).unwrap_err();
+        assert_eq!(err.message, "spec.queue.expire: unknown field");
+    }
+
+    #[test]
+    fn broken_yaml_and_missing_kind_are_errors() {
+        let err = read_manifest("f.yaml", "kind: [unclosed").unwrap_err();
+        assert_eq!(err.document, 1);
+        assert!(err.message.contains("line 1"), "{err}");
+        assert_eq!(
+            read_manifest("f.yaml", "metadata: {}").unwrap_err().message,
+            "kind: missing"
+        );
+        let wrong = POLICY.replace("v1alpha1", "v9");
+        assert!(
+            read_manifest("f.yaml", &wrong)
+                .unwrap_err()
+                .message
+                .starts_with("apiVersion")
+        );
+    }
+}

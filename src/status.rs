@@ -1,0 +1,362 @@
+//! Conditions and status: the vocabulary (condition types, reasons) and the pure function from a
+//! reconcile [`Outcome`] and the previous status to the next one.
+
+use crate::crd::{Binding, DeadLetterObservation, QueueObservation, QueuePolicyStatus};
+use k8s_openapi::{
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+    jiff::Timestamp,
+};
+
+/// Condition types of a QueuePolicy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConditionType {
+    /// Everything below is True: the queue is safe as specified.
+    Ready,
+    /// The queue exists, durable, with the declared arguments and bindings.
+    QueueDeclared,
+    /// The dead-letter exchange and queue exist and are bound.
+    DeadLetterReady,
+    /// Expiry, dead-lettering and limits are in effect (by policy or by arguments).
+    SettingsApplied,
+}
+
+impl ConditionType {
+    pub const ALL: [ConditionType; 4] = [
+        Self::Ready,
+        Self::QueueDeclared,
+        Self::DeadLetterReady,
+        Self::SettingsApplied,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "Ready",
+            Self::QueueDeclared => "QueueDeclared",
+            Self::DeadLetterReady => "DeadLetterReady",
+            Self::SettingsApplied => "SettingsApplied",
+        }
+    }
+}
+
+/// Machine-readable reasons, shared by conditions and Events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Reconciled,
+    Declared,
+    PolicyApplied,
+    ArgumentsApplied,
+    ArgumentsConflict,
+    ExchangeNotFound,
+    QueueNotFound,
+    QueueNotDeclared,
+    AccessRefused,
+    BrokerRefused,
+    BrokerUnreachable,
+    PolicyShadowed,
+    PolicyRejected,
+    SecretNotFound,
+    SecretKeyMissing,
+    InvalidBrokerUri,
+    InvalidSpec,
+    DeletionBlocked,
+    QueueDeleted,
+    QueueRetained,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reconciled => "Reconciled",
+            Self::Declared => "Declared",
+            Self::PolicyApplied => "PolicyApplied",
+            Self::ArgumentsApplied => "ArgumentsApplied",
+            Self::ArgumentsConflict => "ArgumentsConflict",
+            Self::ExchangeNotFound => "ExchangeNotFound",
+            Self::QueueNotFound => "QueueNotFound",
+            Self::QueueNotDeclared => "QueueNotDeclared",
+            Self::AccessRefused => "AccessRefused",
+            Self::BrokerRefused => "BrokerRefused",
+            Self::BrokerUnreachable => "BrokerUnreachable",
+            Self::PolicyShadowed => "PolicyShadowed",
+            Self::PolicyRejected => "PolicyRejected",
+            Self::SecretNotFound => "SecretNotFound",
+            Self::SecretKeyMissing => "SecretKeyMissing",
+            Self::InvalidBrokerUri => "InvalidBrokerUri",
+            Self::InvalidSpec => "InvalidSpec",
+            Self::DeletionBlocked => "DeletionBlocked",
+            Self::QueueDeleted => "QueueDeleted",
+            Self::QueueRetained => "QueueRetained",
+        }
+    }
+}
+
+/// A condition's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Truth {
+    True,
+    False,
+    Unknown,
+}
+
+impl Truth {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::True => "True",
+            Self::False => "False",
+            Self::Unknown => "Unknown",
+        }
+    }
+}
+
+/// One step's verdict: becomes one condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    pub status: Truth,
+    pub reason: Reason,
+    pub message: String,
+}
+
+impl Check {
+    pub fn ok(reason: Reason, message: impl Into<String>) -> Self {
+        Self {
+            status: Truth::True,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn failed(reason: Reason, message: impl Into<String>) -> Self {
+        Self {
+            status: Truth::False,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn unknown(reason: Reason, message: impl Into<String>) -> Self {
+        Self {
+            status: Truth::Unknown,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    pub fn is_ok(&self) -> bool {
+        self.status == Truth::True
+    }
+}
+
+/// What one reconcile found and did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub queue: Check,
+    pub dead_letter: Check,
+    pub settings: Check,
+    /// Fresh observations; None keeps the previous status's (the broker could not be asked).
+    pub queue_observation: Option<QueueObservation>,
+    pub dead_letter_observation: Option<DeadLetterObservation>,
+    pub broker_policy: Option<String>,
+    /// None keeps the previous list (nothing was bound or unbound).
+    pub applied_bindings: Option<Vec<Binding>>,
+}
+
+impl Outcome {
+    /// Nothing reached the broker: every condition carries the same verdict.
+    pub fn blocked(check: Check) -> Self {
+        Self {
+            queue: check.clone(),
+            dead_letter: check.clone(),
+            settings: check,
+            queue_observation: None,
+            dead_letter_observation: None,
+            broker_policy: None,
+            applied_bindings: None,
+        }
+    }
+
+    /// Ready is True when every step is; otherwise it carries the first failing step's verdict.
+    pub fn ready(&self) -> Check {
+        match [&self.queue, &self.dead_letter, &self.settings]
+            .into_iter()
+            .find(|c| !c.is_ok())
+        {
+            None => Check::ok(Reason::Reconciled, self.summary()),
+            Some(first) => Check::failed(first.reason, first.message.clone()),
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.queue.is_ok() && self.dead_letter.is_ok() && self.settings.is_ok()
+    }
+
+    fn summary(&self) -> String {
+        let mut parts = vec![
+            self.queue.message.clone(),
+            self.dead_letter.message.clone(),
+            self.settings.message.clone(),
+        ];
+        parts.retain(|p| !p.is_empty());
+        parts.join("; ")
+    }
+
+    /// The checks by condition type, Ready first.
+    pub fn checks(&self) -> [(ConditionType, Check); 4] {
+        [
+            (ConditionType::Ready, self.ready()),
+            (ConditionType::QueueDeclared, self.queue.clone()),
+            (ConditionType::DeadLetterReady, self.dead_letter.clone()),
+            (ConditionType::SettingsApplied, self.settings.clone()),
+        ]
+    }
+}
+
+/// The next status. Condition timestamps move only when a condition's status flips.
+pub fn next_status(
+    previous: Option<&QueuePolicyStatus>,
+    outcome: &Outcome,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> QueuePolicyStatus {
+    let old = previous.cloned().unwrap_or_default();
+    let conditions = outcome
+        .checks()
+        .into_iter()
+        .map(|(kind, check)| condition(&old.conditions, kind, &check, generation, now))
+        .collect();
+    QueuePolicyStatus {
+        observed_generation: generation,
+        conditions,
+        queue: outcome.queue_observation.clone().or(old.queue),
+        dead_letter: outcome.dead_letter_observation.clone().or(old.dead_letter),
+        broker_policy: outcome.broker_policy.clone().or(old.broker_policy),
+        applied_bindings: outcome
+            .applied_bindings
+            .clone()
+            .unwrap_or(old.applied_bindings),
+    }
+}
+
+fn condition(
+    old: &[Condition],
+    kind: ConditionType,
+    check: &Check,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    let status = check.status.as_str();
+    let since = old
+        .iter()
+        .find(|c| c.type_ == kind.as_str() && c.status == status)
+        .map_or(Time(now), |c| c.last_transition_time.clone());
+    Condition {
+        type_: kind.as_str().into(),
+        status: status.into(),
+        reason: check.reason.as_str().into(),
+        message: check.message.clone(),
+        observed_generation: generation,
+        last_transition_time: since,
+    }
+}
+
+/// Finds a condition by type.
+pub fn find(conditions: &[Condition], kind: ConditionType) -> Option<&Condition> {
+    conditions.iter().find(|c| c.type_ == kind.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok_outcome() -> Outcome {
+        Outcome {
+            queue: Check::ok(Reason::Declared, "queue orders declared"),
+            dead_letter: Check::ok(Reason::Declared, "dead letters go to orders.dlq"),
+            settings: Check::ok(Reason::PolicyApplied, "policy applied"),
+            queue_observation: Some(QueueObservation {
+                name: "orders".into(),
+                vhost: "/".into(),
+                ..Default::default()
+            }),
+            dead_letter_observation: None,
+            broker_policy: Some("queueguard.shop.orders".into()),
+            applied_bindings: Some(vec![]),
+        }
+    }
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).unwrap()
+    }
+
+    #[test]
+    fn ready_summarises_when_every_step_is_true() {
+        let s = next_status(None, &ok_outcome(), Some(3), at(100));
+        let ready = find(&s.conditions, ConditionType::Ready).unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("True", "Reconciled")
+        );
+        assert_eq!(
+            ready.message,
+            "queue orders declared; dead letters go to orders.dlq; policy applied"
+        );
+        assert_eq!(ready.observed_generation, Some(3));
+        assert_eq!(s.observed_generation, Some(3));
+        assert_eq!(s.conditions.len(), 4);
+    }
+
+    #[test]
+    fn ready_carries_the_first_failure() {
+        let mut o = ok_outcome();
+        o.settings = Check::failed(Reason::PolicyShadowed, "policy 'team' wins");
+        o.queue = Check::failed(Reason::ArgumentsConflict, "x-expires differs");
+        let s = next_status(None, &o, Some(1), at(100));
+        let ready = find(&s.conditions, ConditionType::Ready).unwrap();
+        assert_eq!(
+            (
+                ready.status.as_str(),
+                ready.reason.as_str(),
+                ready.message.as_str()
+            ),
+            ("False", "ArgumentsConflict", "x-expires differs")
+        );
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_flips() {
+        let first = next_status(None, &ok_outcome(), Some(1), at(100));
+        let same = next_status(Some(&first), &ok_outcome(), Some(2), at(200));
+        assert!(
+            same.conditions
+                .iter()
+                .all(|c| c.last_transition_time == Time(at(100)))
+        );
+        assert!(
+            same.conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(2))
+        );
+        let mut broken = ok_outcome();
+        broken.queue = Check::failed(Reason::ArgumentsConflict, "x");
+        let flipped = next_status(Some(&same), &broken, Some(2), at(300));
+        let queue = find(&flipped.conditions, ConditionType::QueueDeclared).unwrap();
+        assert_eq!(queue.last_transition_time, Time(at(300)));
+        let dl = find(&flipped.conditions, ConditionType::DeadLetterReady).unwrap();
+        assert_eq!(dl.last_transition_time, Time(at(100)));
+    }
+
+    #[test]
+    fn blocked_outcomes_keep_the_last_observations() {
+        let first = next_status(None, &ok_outcome(), Some(1), at(100));
+        let blocked = Outcome::blocked(Check::unknown(Reason::BrokerUnreachable, "cannot connect"));
+        let s = next_status(Some(&first), &blocked, Some(1), at(200));
+        assert_eq!(s.queue, first.queue);
+        assert_eq!(s.broker_policy, first.broker_policy);
+        let q = find(&s.conditions, ConditionType::QueueDeclared).unwrap();
+        assert_eq!(
+            (q.status.as_str(), q.reason.as_str()),
+            ("Unknown", "BrokerUnreachable")
+        );
+        let ready = find(&s.conditions, ConditionType::Ready).unwrap();
+        assert_eq!(ready.status, "False");
+    }
+}
