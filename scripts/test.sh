@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite: unit tests, the real-broker tests and the kube glue against a mocked API.
+# Tests that need a real cluster run only when KUBECONFIG is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/rabbitmq.sh
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast "$@"
+else
+  cargo test --workspace --no-fail-fast "$@"
+fi

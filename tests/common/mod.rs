@@ -1,0 +1,222 @@
+//! Shared helpers for the tests that talk to the real broker (127.0.0.1:5672 unless
+//! QUEUEGUARD_TEST_BROKER says otherwise). Every test uses its own unique names.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties,
+    options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions},
+    types::FieldTable,
+};
+use queueguard::{
+    broker::{Broker, BrokerCredentials, BrokerPool},
+    crd::QueuePolicy,
+    plan::{self, Limits, QueuePlan},
+    reconcile,
+};
+use serde_json::Value;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+pub fn broker_uri() -> String {
+    std::env::var("QUEUEGUARD_TEST_BROKER")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2F".into())
+}
+
+pub fn management_base() -> String {
+    std::env::var("QUEUEGUARD_TEST_MANAGEMENT").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
+}
+
+/// A name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "qgt.{prefix}.{}.{nanos:x}.{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A QueuePolicy `test/<name>` whose spec.queue is `queue` (YAML flow mapping).
+pub fn policy(name: &str, queue: &str) -> QueuePolicy {
+    policy_doc(name, &format!("queue: {queue}"))
+}
+
+/// A QueuePolicy `test/<name>` with `rest` as the spec after `broker` (YAML block).
+pub fn policy_doc(name: &str, rest: &str) -> QueuePolicy {
+    let doc = format!(
+        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: {name:?}, namespace: test, generation: 1}}\nspec:\n  broker: {{secretRef: {{name: rabbitmq}}}}\n  {rest}\n"
+    );
+    serde_yaml_ng::from_str(&doc).expect("test policy parses")
+}
+
+pub fn plan_of(policy: &QueuePolicy) -> QueuePlan {
+    plan::plan(policy, Limits::default()).expect("valid test policy")
+}
+
+/// Plans with the 1-minute expiry floor lifted, to watch a queue expire within a test.
+pub fn plan_short(policy: &QueuePolicy) -> QueuePlan {
+    plan::plan(
+        policy,
+        Limits {
+            min_expires: Duration::from_millis(100),
+        },
+    )
+    .expect("valid test policy")
+}
+
+pub fn credentials() -> BrokerCredentials {
+    BrokerCredentials {
+        uri: broker_uri(),
+        management_uri: Some(management_base()),
+        ca_cert: None,
+    }
+}
+
+pub fn broker(pool: &BrokerPool, plan: &QueuePlan) -> Arc<Broker> {
+    reconcile::connect(pool, plan, &credentials()).expect("test broker")
+}
+
+/// An application's own connection, as a consumer or publisher would have.
+pub async fn app() -> (Connection, Channel) {
+    let conn = Connection::connect(
+        &broker_uri(),
+        ConnectionProperties::default().with_connection_name("qgt-app".into()),
+    )
+    .await
+    .expect("application connection");
+    let ch = conn.create_channel().await.expect("channel");
+    (conn, ch)
+}
+
+/// Publishes to a queue through the default exchange with publisher confirms.
+pub async fn publish(queue: &str, bodies: impl IntoIterator<Item = String>) {
+    let (_conn, ch) = app().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for body in bodies {
+        ch.basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            body.as_bytes(),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+}
+
+/// Ready messages and consumers, by passive declare; None when the queue does not exist.
+pub async fn counts(queue: &str) -> Option<(u32, u32)> {
+    let (_conn, ch) = app().await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .ok()
+        .map(|q| (q.message_count(), q.consumer_count()))
+}
+
+/// Does the queue exist? Asked through the management API, which does not renew x-expires.
+pub async fn exists(queue: &str) -> bool {
+    mgmt_get(&format!("queues/%2F/{}", enc(queue)))
+        .await
+        .is_some()
+}
+
+pub async fn delete_queues(names: &[&str]) {
+    let (_conn, ch) = app().await;
+    for name in names {
+        let _ = ch
+            .queue_delete((*name).into(), QueueDeleteOptions::default())
+            .await;
+    }
+}
+
+pub fn enc(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+fn http() -> reqwest::Client {
+    queueguard::tls::install_crypto_provider();
+    reqwest::Client::new()
+}
+
+/// GET /api/<path> on the management API; None on 404.
+pub async fn mgmt_get(path: &str) -> Option<Value> {
+    let r = http()
+        .get(format!("{}/api/{path}", management_base()))
+        .basic_auth("guest", Some("guest"))
+        .send()
+        .await
+        .unwrap();
+    if r.status() == 404 {
+        return None;
+    }
+    assert!(r.status().is_success(), "GET {path}: {}", r.status());
+    Some(r.json().await.unwrap())
+}
+
+pub async fn mgmt_put(path: &str, body: Value) {
+    let r = http()
+        .put(format!("{}/api/{path}", management_base()))
+        .basic_auth("guest", Some("guest"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "PUT {path}: {}", r.status());
+}
+
+pub async fn mgmt_delete(path: &str) {
+    let _ = http()
+        .delete(format!("{}/api/{path}", management_base()))
+        .basic_auth("guest", Some("guest"))
+        .send()
+        .await;
+}
+
+/// Polls `check` every 100 ms until it is true or `timeout` passes; returns whether it became true.
+pub async fn eventually<F, Fut>(timeout: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Removes everything a plan declared, messages included (test clean-up only).
+pub async fn remove_all(plan: &QueuePlan) {
+    delete_queues(&[&plan.queue, &plan.dead_letter_queue]).await;
+    let (_conn, ch) = app().await;
+    let _ = ch
+        .exchange_delete(
+            plan.settings.dead_letter_exchange.as_str().into(),
+            Default::default(),
+        )
+        .await;
+    mgmt_delete(&format!("policies/%2F/{}", enc(&plan.policy_name))).await;
+}
