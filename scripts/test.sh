@@ -5,8 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/rabbitmq.sh
-if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --no-fail-fast "$@"
-else
-  cargo test --workspace --no-fail-fast "$@"
-fi
+run_tests() {
+  if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --workspace --no-fail-fast "$@"
+  else
+    cargo test --workspace --no-fail-fast "$@"
+  fi
+}
+
+run_tests "$@"
+# Last and alone, because it stops and starts the broker under every other test.
+QUEUEGUARD_TEST_BROKER_RESTART=1 run_tests --test broker_recovery a_real_broker_restart_needs_no_operator_restart
+scripts/rabbitmq.sh

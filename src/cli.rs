@@ -66,7 +66,9 @@ pub struct ApplyArgs {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // The controller logs its work; one-shot commands speak through their output.
+    let default_level = if matches!(cli.command, Command::Run(_)) { "info" } else { "warn" };
+    init_logging(cli.log_format, default_level);
     crate::tls::install_crypto_provider();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -121,10 +123,10 @@ async fn apply(args: ApplyArgs) -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, default_level: &str) {
     use tracing_subscriber::{EnvFilter, fmt};
     let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,lapin=warn,kube=warn"));
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default_level},lapin=warn,kube=warn")));
     let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

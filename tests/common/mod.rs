@@ -220,3 +220,61 @@ pub async fn remove_all(plan: &QueuePlan) {
         .await;
     mgmt_delete(&format!("policies/%2F/{}", enc(&plan.policy_name))).await;
 }
+
+/// A TCP proxy in front of the broker that a test can cut (live connections dropped, new ones
+/// closed at once, as a broker that went away) and restore, without disturbing other tests.
+pub struct Proxy {
+    pub port: u16,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    kill: tokio::sync::broadcast::Sender<()>,
+}
+
+impl Proxy {
+    pub async fn start(target: &str) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (kill, _) = tokio::sync::broadcast::channel(4);
+        let (target, up2, kill2) = (target.to_owned(), up.clone(), kill.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !up2.load(Ordering::SeqCst) {
+                    continue; // dropped: the client sees the connection closed
+                }
+                let target = target.clone();
+                let mut killed = kill2.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = killed.recv() => {}
+                    }
+                });
+            }
+        });
+        Self { port, up, kill }
+    }
+
+    pub fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        let _ = self.kill.send(());
+    }
+
+    pub fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+
+    /// The test broker's URI with this proxy as host and port.
+    pub fn uri(&self) -> String {
+        let mut url = url::Url::parse(&broker_uri()).unwrap();
+        url.set_host(Some("127.0.0.1")).unwrap();
+        url.set_port(Some(self.port)).unwrap();
+        url.to_string()
+    }
+}
+
+/// host:port of the test broker's AMQP listener.
+pub fn broker_addr() -> String {
+    let url = url::Url::parse(&broker_uri()).unwrap();
+    format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5672))
+}
