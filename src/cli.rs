@@ -67,7 +67,11 @@ pub struct ApplyArgs {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // The controller logs its work; one-shot commands speak through their output.
-    let default_level = if matches!(cli.command, Command::Run(_)) { "info" } else { "warn" };
+    let default_level = if matches!(cli.command, Command::Run(_)) {
+        "info"
+    } else {
+        "warn"
+    };
     init_logging(cli.log_format, default_level);
     crate::tls::install_crypto_provider();
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -297,10 +297,10 @@ async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check,
         Err(e) => return (failed(e), None),
     };
     let decision = settings::policy_decision(plan, &existing);
-    if !decision.up_to_date {
-        if let Err(e) = broker.management.put_policy(vhost, &decision.desired).await {
-            return (failed(e), None);
-        }
+    if !decision.up_to_date
+        && let Err(e) = broker.management.put_policy(vhost, &decision.desired).await
+    {
+        return (failed(e), None);
     }
     let name = Some(decision.desired.name.clone());
     if let Some(winner) = decision.shadowed_by {
@@ -528,14 +528,11 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
                 return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, msg));
             }
             Err(StepError::Refused(r)) if r.code == PRECONDITION_FAILED => {
-                let detail = match broker.management.queue(&vhost, queue).await {
-                    Ok(Some(info)) => format!(
-                        "{} ready and {} unacknowledged messages, {} consumers",
-                        info.messages_ready.unwrap_or_default(),
-                        info.messages_unacknowledged.unwrap_or_default(),
-                        info.consumers.unwrap_or_default()
-                    ),
-                    _ => r.text.clone(),
+                let detail = match passive_counts(broker, queue).await {
+                    Some((ready, consumers)) => {
+                        format!("{ready} ready messages, {consumers} consumers")
+                    }
+                    None => r.text.clone(),
                 };
                 return Cleanup::Blocked(Check::failed(
                     Reason::DeletionBlocked,
@@ -561,19 +558,32 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
             )
             .await;
     }
-    if plan.mode == SettingsMode::Policy {
-        if let Err(e) = broker
+    if plan.mode == SettingsMode::Policy
+        && let Err(e) = broker
             .management
             .delete_policy(&vhost, &plan.policy_name)
             .await
-        {
-            return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, e.to_string()));
-        }
+    {
+        return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, e.to_string()));
     }
     Cleanup::Deleted(format!(
         "deleted queue '{}', dead-letter queue '{}' and their settings from vhost '{vhost}'",
         plan.queue, plan.dead_letter_queue
     ))
+}
+
+/// Ready messages and consumers from a passive declare (immediate, unlike management statistics).
+async fn passive_counts(broker: &Broker, queue: &str) -> Option<(u32, u32)> {
+    let ch = broker.amqp.channel().await.ok()?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let q = ch
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .ok()?;
+    Some((q.message_count(), q.consumer_count()))
 }
 
 async fn delete_queue_if_idle(broker: &Broker, queue: &str) -> Result<(), StepError> {

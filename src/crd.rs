@@ -13,6 +13,8 @@ pub const API_VERSION: &str = "queueguard.io/v1alpha1";
 
 /// Declares one RabbitMQ queue safely (durable, never auto-delete, with an expiry safety net and a
 /// dead-letter exchange and queue) and guards the rollouts of the Deployment that consumes it.
+// clippy reads the repeated `type_` of printer columns as duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "queueguard.io",

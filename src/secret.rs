@@ -97,11 +97,13 @@ mod tests {
 
     #[test]
     fn string_data_counts_in_manifests() {
-        let mut s = Secret::default();
-        s.string_data = Some(BTreeMap::from([(
-            "uri".to_string(),
-            "amqp://u:p@h/".to_string(),
-        )]));
+        let s = Secret {
+            string_data: Some(BTreeMap::from([(
+                "uri".to_string(),
+                "amqp://u:p@h/".to_string(),
+            )])),
+            ..Default::default()
+        };
         assert_eq!(credentials(&s).unwrap().uri, "amqp://u:p@h/");
     }
 }

@@ -305,7 +305,7 @@ mod tests {
     fn an_identical_existing_policy_is_up_to_date() {
         let plan = plan_of("{}");
         let first = policy_decision(&plan, &[]);
-        let again = policy_decision(&plan, &[first.desired.clone()]);
+        let again = policy_decision(&plan, std::slice::from_ref(&first.desired));
         assert!(again.up_to_date);
         let changed = policy_decision(&plan_of("{expires: 1h}"), &[first.desired]);
         assert!(

@@ -44,10 +44,13 @@ impl Broker {
     }
 }
 
+/// An endpoint's address and credentials (hashed) and its trusted CA.
+type EndpointKey = (u64, Option<String>);
+
 /// Endpoints shared by all policies: one AMQP connection per distinct broker address.
 pub struct BrokerPool {
     connection_name: String,
-    endpoints: Mutex<HashMap<(u64, Option<String>), Arc<Broker>>>,
+    endpoints: Mutex<HashMap<EndpointKey, Arc<Broker>>>,
 }
 
 impl BrokerPool {
