@@ -18,11 +18,12 @@ use kube::{
     Api, Client, Resource, ResourceExt,
     api::{Patch, PatchParams},
     runtime::{
-        Controller,
+        Controller, Predicate, WatchStreamExt,
         controller::Action,
         events::{Event, EventType, Recorder, Reporter},
         finalizer::{self, Event as Finalizer},
-        watcher,
+        predicates, reflector,
+        watcher::{self, watcher},
     },
 };
 use serde_json::json;
@@ -89,7 +90,19 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         namespace = args.namespace.as_deref().unwrap_or("*"),
         "starting controller"
     );
-    Controller::new(policies, watcher::Config::default().any_semantic())
+    // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
+    // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
+    // the generation (deletion too); finalizer edits do not, so they are watched as well.
+    let (reader, writer) = reflector::store();
+    let trigger = watcher(policies, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(
+            predicates::generation.combine(predicates::finalizers),
+            Default::default(),
+        );
+    Controller::for_stream(trigger, reader)
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
