@@ -39,6 +39,41 @@ pub enum Command {
     /// each resulting status as YAML. Exit 0 when all are Ready, 1 when any is not, 2 when the
     /// input cannot be read.
     Apply(ApplyArgs),
+    /// List a queue's consumers (tag, peer host, connection name, prefetch, ack mode, since), the
+    /// same live view the rollout gate uses; --watch streams attach and detach as JSON lines.
+    Consumers(ConsumersArgs),
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ConsumersArgs {
+    /// Queue name.
+    pub queue: String,
+    /// Virtual host (default: the broker URI's).
+    #[arg(long)]
+    pub vhost: Option<String>,
+    /// Broker URI (amqp[s]://user:pass@host:port/vhost).
+    #[arg(
+        long,
+        env = "QUEUEGUARD_BROKER_URI",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2F"
+    )]
+    pub broker: String,
+    /// Management API URI (default: the broker's host on port 15672, same credentials).
+    #[arg(long, env = "QUEUEGUARD_MANAGEMENT_URI", hide_env_values = true)]
+    pub management: Option<String>,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+    /// After listing, stream attach and detach as JSON lines until interrupted.
+    #[arg(long)]
+    pub watch: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -67,17 +102,10 @@ pub struct ApplyArgs {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // The controller logs its work; one-shot commands speak through their output.
-    let default_level = if matches!(cli.command, Command::Run(_)) {
-        "info"
-    } else {
-        "warn"
-    };
+    let default_level = if matches!(cli.command, Command::Run(_)) { "info" } else { "warn" };
     init_logging(cli.log_format, default_level);
     crate::tls::install_crypto_provider();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     runtime.block_on(async move {
         match cli.command {
             Command::Crd => {
@@ -85,6 +113,7 @@ pub fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Command::Apply(args) => apply(args).await,
+            Command::Consumers(args) => consumers(args).await,
             Command::Run(args) => match controller::run(args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -97,9 +126,7 @@ pub fn main() -> ExitCode {
 }
 
 async fn apply(args: ApplyArgs) -> ExitCode {
-    let manifest = match local::read_source(&args.file)
-        .and_then(|text| local::read_manifest(&args.file, &text))
-    {
+    let manifest = match local::read_source(&args.file).and_then(|text| local::read_manifest(&args.file, &text)) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("error: {e}");
@@ -110,20 +137,68 @@ async fn apply(args: ApplyArgs) -> ExitCode {
         eprintln!("error: {}: no QueuePolicy found", args.file);
         return ExitCode::from(2);
     }
-    let broker = args.broker.map(|uri| BrokerCredentials {
-        uri,
-        management_uri: args.management,
-        ca_cert: None,
-    });
+    let broker = args.broker.map(|uri| BrokerCredentials { uri, management_uri: args.management, ca_cert: None });
     let pool = BrokerPool::new("queueguard-apply");
     let results = local::apply(&manifest, broker.as_ref(), &pool, Limits::default()).await;
     for r in &results {
         print!("{}", local::render(r));
     }
-    if results.iter().all(|r| r.ready) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
+    if results.iter().all(|r| r.ready) { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+async fn consumers(args: ConsumersArgs) -> ExitCode {
+    use crate::consumers::{QueueKey, Tracking, output, tracker::now_ms};
+    let uri = match crate::broker::uri::BrokerUri::parse(&args.broker, args.management.as_deref()) {
+        Ok(uri) => uri,
+        Err(e) => {
+            eprintln!("error: --broker {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let queue = QueueKey::new(args.vhost.clone().unwrap_or_else(|| uri.vhost().to_owned()), args.queue.clone());
+    let pool = BrokerPool::new("queueguard-consumers");
+    let tracker = match pool.tracker(&uri, None) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut changes = tracker.subscribe();
+    tracker.wait_synced(std::time::Duration::from_secs(15)).await;
+    match tracker.tracking() {
+        Tracking::Unavailable(why) => {
+            eprintln!("error: cannot see the broker: {why}");
+            return ExitCode::FAILURE;
+        }
+        Tracking::Polling(why) if args.watch => eprintln!("note: polling the management API every 2 s ({why})"),
+        _ => {}
+    }
+    // What arrived before the listing is in it; what arrives after is streamed.
+    while changes.try_recv().is_ok() {}
+    let list = tracker.consumers_on(&queue);
+    match args.output {
+        Output::Table => print!("{}", output::table(&list)),
+        Output::Json => println!("{}", serde_json::Value::Array(list.iter().map(output::to_json).collect())),
+    }
+    if !args.watch {
+        return ExitCode::SUCCESS;
+    }
+    loop {
+        tokio::select! {
+            change = changes.recv() => match change {
+                Ok(change) if change.queue() == &queue => {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    if writeln!(out, "{}", output::watch_line(&change, now_ms())).and_then(|()| out.flush()).is_err() {
+                        return ExitCode::SUCCESS; // the reader went away
+                    }
+                }
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(_) => return ExitCode::FAILURE,
+            },
+            _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
+        }
     }
 }
 

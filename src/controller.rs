@@ -65,10 +65,7 @@ pub struct Context {
 
 impl Context {
     pub fn new(client: Client, connection_name: &str) -> Self {
-        let reporter = Reporter {
-            controller: "queueguard".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        };
+        let reporter = Reporter { controller: "queueguard".into(), instance: std::env::var("POD_NAME").ok() };
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             brokers: BrokerPool::new(connection_name),
@@ -86,10 +83,7 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         None => Api::all(client.clone()),
     };
     let ctx = Arc::new(Context::new(client, &args.connection_name));
-    tracing::info!(
-        namespace = args.namespace.as_deref().unwrap_or("*"),
-        "starting controller"
-    );
+    tracing::info!(namespace = args.namespace.as_deref().unwrap_or("*"), "starting controller");
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
     // the generation (deletion too); finalizer edits do not, so they are watched as well.
@@ -98,10 +92,7 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         .default_backoff()
         .reflect(writer)
         .applied_objects()
-        .predicate_filter(
-            predicates::generation.combine(predicates::finalizers),
-            Default::default(),
-        );
+        .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
     Controller::for_stream(trigger, reader)
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
@@ -146,26 +137,17 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             Err(check) => Outcome::blocked(check),
             Ok(broker) => {
                 let mode = reconcile::mode_for(plan, previous, policy.metadata.generation);
-                let bindings = previous
-                    .map(|s| s.applied_bindings.clone())
-                    .unwrap_or_default();
+                let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
                 converge::converge(plan, &broker, &bindings, mode).await
             }
         },
     };
-    let status = next_status(
-        previous,
-        &outcome,
-        policy.metadata.generation,
-        Timestamp::now(),
-    );
+    let status = next_status(previous, &outcome, policy.metadata.generation, Timestamp::now());
     write_status(policy, previous, status, ctx).await?;
-    Ok(
-        match reconcile::requeue_after(planned.as_ref().ok(), &outcome) {
-            Some(after) => Action::requeue(after),
-            None => Action::await_change(),
-        },
-    )
+    Ok(match reconcile::requeue_after(planned.as_ref().ok(), &outcome) {
+        Some(after) => Action::requeue(after),
+        None => Action::await_change(),
+    })
 }
 
 /// Deleting a QueuePolicy: Retain leaves everything; Delete removes an empty, unused queue.
@@ -182,12 +164,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         publish(
             policy,
             ctx,
-            &EventSpec {
-                warning: false,
-                reason: Reason::QueueRetained.as_str().into(),
-                action: "Cleanup",
-                note,
-            },
+            &EventSpec { warning: false, reason: Reason::QueueRetained.as_str().into(), action: "Cleanup", note },
         )
         .await;
         return Ok(Action::await_change());
@@ -200,12 +177,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             publish(
                 policy,
                 ctx,
-                &EventSpec {
-                    warning: true,
-                    reason: Reason::QueueRetained.as_str().into(),
-                    action: "Cleanup",
-                    note,
-                },
+                &EventSpec { warning: true, reason: Reason::QueueRetained.as_str().into(), action: "Cleanup", note },
             )
             .await;
             return Ok(Action::await_change());
@@ -216,26 +188,14 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             publish(
                 policy,
                 ctx,
-                &EventSpec {
-                    warning: false,
-                    reason: Reason::QueueDeleted.as_str().into(),
-                    action: "Cleanup",
-                    note,
-                },
+                &EventSpec { warning: false, reason: Reason::QueueDeleted.as_str().into(), action: "Cleanup", note },
             )
             .await;
             Ok(Action::await_change())
         }
         Cleanup::Blocked(check) => {
-            let reason = if check.reason == Reason::BrokerUnreachable {
-                check.reason
-            } else {
-                Reason::DeletionBlocked
-            };
-            let blocked = Check {
-                reason,
-                ..check.clone()
-            };
+            let reason = if check.reason == Reason::BrokerUnreachable { check.reason } else { Reason::DeletionBlocked };
+            let blocked = Check { reason, ..check.clone() };
             let status = next_status(
                 policy.status.as_ref(),
                 &Outcome::blocked(blocked),
@@ -258,15 +218,9 @@ async fn connect(
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     let Some(found) = secrets.get_opt(&plan.secret_name).await? else {
-        return Ok(Err(Check::failed(
-            Reason::SecretNotFound,
-            format!("Secret '{ns}/{}' not found", plan.secret_name),
-        )));
+        return Ok(Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{}' not found", plan.secret_name))));
     };
-    Ok(
-        secret::credentials(&found)
-            .and_then(|creds| reconcile::connect(&ctx.brokers, plan, &creds)),
-    )
+    Ok(secret::credentials(&found).and_then(|creds| reconcile::connect(&ctx.brokers, plan, &creds)))
 }
 
 /// Patches `.status` (server-side apply, one field manager) only when it changed, then publishes
@@ -283,15 +237,8 @@ async fn write_status(
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
     let api: Api<QueuePolicy> = Api::namespaced(ctx.client.clone(), &ns);
     let patch = json!({ "apiVersion": API_VERSION, "kind": "QueuePolicy", "status": status });
-    api.patch_status(
-        &policy.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
-    let old = previous
-        .map(|s| s.conditions.as_slice())
-        .unwrap_or_default();
+    api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+    let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
     for event in events::transitions(old, &status.conditions) {
         publish(policy, ctx, &event).await;
     }
@@ -301,11 +248,7 @@ async fn write_status(
 /// Publishes an Event; a failure is logged, never fatal to the reconcile.
 async fn publish(policy: &QueuePolicy, ctx: &Context, spec: &EventSpec) {
     let event = Event {
-        type_: if spec.warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
+        type_: if spec.warning { EventType::Warning } else { EventType::Normal },
         reason: spec.reason.clone(),
         note: Some(spec.note.clone()),
         action: spec.action.into(),

@@ -20,8 +20,7 @@ use crate::{
 use lapin::{
     ExchangeKind,
     options::{
-        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-        QueueDeleteOptions,
+        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
     },
     types::{AMQPValue, FieldTable},
 };
@@ -54,26 +53,14 @@ impl From<AmqpError> for StepError {
 
 /// Converges one plan on one broker. `previous_bindings` are those applied last time, so ones
 /// removed from the spec are unbound.
-pub async fn converge(
-    plan: &QueuePlan,
-    broker: &Broker,
-    previous_bindings: &[Binding],
-    mode: Mode,
-) -> Outcome {
+pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Binding], mode: Mode) -> Outcome {
     let vhost = broker.vhost().to_owned();
     let (dead_letter, dead_letter_observation) = match declare_dead_letter(plan, broker).await {
-        Ok(obs) => (
-            Check::ok(Reason::Declared, dead_letter_summary(plan)),
-            Some(obs),
-        ),
+        Ok(obs) => (Check::ok(Reason::Declared, dead_letter_summary(plan)), Some(obs)),
         Err(StepError::Unreachable(msg)) => return unreachable(msg),
-        Err(StepError::Refused(r)) => (
-            refused_check(
-                &r,
-                &format!("dead-letter exchange or queue of {}", plan.queue),
-            ),
-            None,
-        ),
+        Err(StepError::Refused(r)) => {
+            (refused_check(&r, &format!("dead-letter exchange or queue of {}", plan.queue)), None)
+        }
     };
 
     let queue_step = match mode {
@@ -81,31 +68,18 @@ pub async fn converge(
         Mode::Observe => observe_queue(plan, broker, &vhost).await,
     };
     let (mut queue, mut queue_observation) = match queue_step {
-        Ok(obs) => (
-            Check::ok(Reason::Declared, queue_summary(plan, &vhost)),
-            Some(obs),
-        ),
+        Ok(obs) => (Check::ok(Reason::Declared, queue_summary(plan, &vhost)), Some(obs)),
         Err(StepError::Unreachable(msg)) => return unreachable(msg),
         Err(StepError::Refused(r)) => (queue_refusal(plan, &vhost, &r), None),
     };
 
     let (settings, broker_policy) = if !queue.is_ok() {
-        (
-            Check::unknown(
-                Reason::QueueNotDeclared,
-                "settings wait until the queue is declared as specified",
-            ),
-            None,
-        )
+        (Check::unknown(Reason::QueueNotDeclared, "settings wait until the queue is declared as specified"), None)
     } else {
         match plan.mode {
-            SettingsMode::Arguments => (
-                Check::ok(
-                    Reason::ArgumentsApplied,
-                    format!("{} set as queue arguments", settings_list(plan)),
-                ),
-                None,
-            ),
+            SettingsMode::Arguments => {
+                (Check::ok(Reason::ArgumentsApplied, format!("{} set as queue arguments", settings_list(plan))), None)
+            }
             SettingsMode::Policy => apply_policy(plan, broker, &vhost).await,
         }
     };
@@ -116,17 +90,12 @@ pub async fn converge(
         applied_bindings = Some(applied);
         match failure {
             None => {}
-            Some(StepError::Unreachable(msg)) => {
-                queue = Check::unknown(Reason::BrokerUnreachable, msg)
-            }
+            Some(StepError::Unreachable(msg)) => queue = Check::unknown(Reason::BrokerUnreachable, msg),
             Some(StepError::Refused(r)) => queue = binding_refusal(plan, &vhost, &r),
         }
     }
 
-    if let Some(obs) = queue_observation
-        .as_mut()
-        .filter(|o| o.messages_unacknowledged.is_none())
-    {
+    if let Some(obs) = queue_observation.as_mut().filter(|o| o.messages_unacknowledged.is_none()) {
         // Unacknowledged counts only exist in the management API; absent for a brand-new queue.
         if let Ok(Some(info)) = broker.management.queue(&vhost, &plan.queue).await {
             obs.messages_unacknowledged = info.messages_unacknowledged;
@@ -148,25 +117,14 @@ fn unreachable(message: String) -> Outcome {
     Outcome::blocked(Check::unknown(Reason::BrokerUnreachable, message))
 }
 
-async fn declare_dead_letter(
-    plan: &QueuePlan,
-    broker: &Broker,
-) -> Result<DeadLetterObservation, StepError> {
+async fn declare_dead_letter(plan: &QueuePlan, broker: &Broker) -> Result<DeadLetterObservation, StepError> {
     let s = &plan.settings;
     let ch = broker.amqp.channel().await?;
     let classify = |e| broker.amqp.classify(e);
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.exchange_declare(
-        s.dead_letter_exchange.as_str().into(),
-        ExchangeKind::Direct,
-        durable,
-        FieldTable::default(),
-    )
-    .await
-    .map_err(classify)?;
+    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
+    ch.exchange_declare(s.dead_letter_exchange.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
+        .await
+        .map_err(classify)?;
     let dlq = ch
         .queue_declare(
             plan.dead_letter_queue.as_str().into(),
@@ -194,11 +152,7 @@ async fn declare_dead_letter(
 async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObservation, StepError> {
     let ch = broker.amqp.channel().await?;
     let q = ch
-        .queue_declare(
-            plan.queue.as_str().into(),
-            durable_queue(),
-            field_table(&settings::queue_arguments(plan)),
-        )
+        .queue_declare(plan.queue.as_str().into(), durable_queue(), field_table(&settings::queue_arguments(plan)))
         .await
         .map_err(|e| broker.amqp.classify(e))?;
     Ok(QueueObservation {
@@ -211,34 +165,22 @@ async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObserva
 }
 
 /// Checks the queue through the management API, which does not renew its expiry lease.
-async fn observe_queue(
-    plan: &QueuePlan,
-    broker: &Broker,
-    vhost: &str,
-) -> Result<QueueObservation, StepError> {
-    let info = broker
-        .management
-        .queue(vhost, &plan.queue)
-        .await
-        .map_err(management_step_error)?;
+async fn observe_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result<QueueObservation, StepError> {
+    let info = broker.management.queue(vhost, &plan.queue).await.map_err(management_step_error)?;
     let Some(info) = info else {
         return Err(StepError::Refused(Refusal {
             code: NOT_FOUND,
             text: format!("NOT_FOUND - no queue '{}' in vhost '{vhost}'", plan.queue),
         }));
     };
-    let mut diffs =
-        settings::argument_differences(&settings::queue_arguments(plan), &info.arguments);
+    let mut diffs = settings::argument_differences(&settings::queue_arguments(plan), &info.arguments);
     if !info.durable || info.auto_delete || info.exclusive {
         diffs.insert(
             0,
             crate::broker::refusal::Inequivalence {
                 argument: "durable/auto_delete/exclusive".into(),
                 received: Some("true/false/false".into()),
-                current: Some(format!(
-                    "{}/{}/{}",
-                    info.durable, info.auto_delete, info.exclusive
-                )),
+                current: Some(format!("{}/{}/{}", info.durable, info.auto_delete, info.exclusive)),
             },
         );
     }
@@ -264,19 +206,14 @@ async fn observe_queue(
 }
 
 fn quoted(v: &Option<String>) -> String {
-    v.as_ref()
-        .map_or_else(|| "none".to_owned(), |v| format!("'{v}'"))
+    v.as_ref().map_or_else(|| "none".to_owned(), |v| format!("'{v}'"))
 }
 
 fn management_step_error(e: ManagementError) -> StepError {
     match e {
         ManagementError::Unreachable { .. } => StepError::Unreachable(e.to_string()),
         ManagementError::Rejected { status, .. } => StepError::Refused(Refusal {
-            code: if matches!(status, 401 | 403) {
-                ACCESS_REFUSED
-            } else {
-                0
-            },
+            code: if matches!(status, 401 | 403) { ACCESS_REFUSED } else { 0 },
             text: e.to_string(),
         }),
     }
@@ -284,12 +221,8 @@ fn management_step_error(e: ManagementError) -> StepError {
 
 async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check, Option<String>) {
     let failed = |e: ManagementError| match e {
-        ManagementError::Unreachable { .. } => {
-            Check::unknown(Reason::BrokerUnreachable, e.to_string())
-        }
-        ManagementError::Rejected {
-            status: 401 | 403, ..
-        } => Check::failed(Reason::AccessRefused, e.to_string()),
+        ManagementError::Unreachable { .. } => Check::unknown(Reason::BrokerUnreachable, e.to_string()),
+        ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
         ManagementError::Rejected { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
     };
     let existing = match broker.management.policies(vhost).await {
@@ -317,32 +250,19 @@ async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check,
         );
         return (Check::failed(Reason::PolicyShadowed, msg), name);
     }
-    let mut msg = format!(
-        "policy '{}' applies {}",
-        decision.desired.name,
-        settings_list(plan)
-    );
+    let mut msg = format!("policy '{}' applies {}", decision.desired.name, settings_list(plan));
     if let Some(displaced) = &decision.displaced {
-        msg.push_str(&format!(
-            " and carries forward the other keys of policy '{displaced}', which it displaces"
-        ));
+        msg.push_str(&format!(" and carries forward the other keys of policy '{displaced}', which it displaces"));
     }
     if !decision.unreadable.is_empty() {
-        msg.push_str(&format!(
-            "; could not evaluate the pattern of {:?}, check them by hand",
-            decision.unreadable
-        ));
+        msg.push_str(&format!("; could not evaluate the pattern of {:?}, check them by hand", decision.unreadable));
     }
     (Check::ok(Reason::PolicyApplied, msg), name)
 }
 
 /// Binds what the spec lists and unbinds what it no longer lists. Returns the bindings now in
 /// place, even when a step failed, so a later reconcile knows what to unbind.
-async fn apply_bindings(
-    plan: &QueuePlan,
-    broker: &Broker,
-    previous: &[Binding],
-) -> (Vec<Binding>, Option<StepError>) {
+async fn apply_bindings(plan: &QueuePlan, broker: &Broker, previous: &[Binding]) -> (Vec<Binding>, Option<StepError>) {
     let mut applied: Vec<Binding> = previous.to_vec();
     let classify = |e| StepError::from(broker.amqp.classify(e));
     let ch = match broker.amqp.channel().await {
@@ -381,10 +301,7 @@ async fn apply_bindings(
             .await;
         match unbound.map_err(classify) {
             // The exchange is gone, and the binding with it.
-            Ok(())
-            | Err(StepError::Refused(Refusal {
-                code: NOT_FOUND, ..
-            })) => applied.retain(|a| a != b),
+            Ok(()) | Err(StepError::Refused(Refusal { code: NOT_FOUND, .. })) => applied.retain(|a| a != b),
             Err(other) => return (applied, Some(other)),
         }
     }
@@ -393,10 +310,7 @@ async fn apply_bindings(
 }
 
 fn durable_queue() -> QueueDeclareOptions {
-    QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    }
+    QueueDeclareOptions { durable: true, ..Default::default() }
 }
 
 fn field_table(args: &BTreeMap<&'static str, ArgValue>) -> FieldTable {
@@ -430,20 +344,12 @@ fn dead_letter_summary(plan: &QueuePlan) -> String {
 
 fn settings_list(plan: &QueuePlan) -> String {
     let s = &plan.settings;
-    let mut parts = vec![
-        format!("expires {}", Human(s.expires)),
-        "dead-lettering".to_owned(),
-    ];
+    let mut parts = vec![format!("expires {}", Human(s.expires)), "dead-lettering".to_owned()];
     if let Some(ttl) = s.message_ttl {
         parts.push(format!("message TTL {}", Human(ttl)));
     }
     if let Some(n) = s.max_length {
-        parts.push(format!(
-            "max length {n}{}",
-            s.overflow
-                .map(|o| format!(" ({})", o.as_str()))
-                .unwrap_or_default()
-        ));
+        parts.push(format!("max length {n}{}", s.overflow.map(|o| format!(" ({})", o.as_str())).unwrap_or_default()));
     }
     parts.join(", ")
 }
@@ -453,16 +359,13 @@ fn refused_check(r: &Refusal, what: &str) -> Check {
         PRECONDITION_FAILED => match r.inequivalence() {
             Some(i) => Check::failed(
                 Reason::ArgumentsConflict,
-                format!(
-                    "{what}: {i}; queueguard never deletes or re-creates an existing entity ({r})"
-                ),
+                format!("{what}: {i}; queueguard never deletes or re-creates an existing entity ({r})"),
             ),
             None => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
         },
-        ACCESS_REFUSED => Check::failed(
-            Reason::AccessRefused,
-            format!("{what}: the broker user lacks permission ({r})"),
-        ),
+        ACCESS_REFUSED => {
+            Check::failed(Reason::AccessRefused, format!("{what}: the broker user lacks permission ({r})"))
+        }
         _ => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
     }
 }
@@ -478,15 +381,10 @@ fn queue_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
             ),
         );
     }
-    let what = format!(
-        "queue '{}' in vhost '{vhost}' already exists with other settings",
-        plan.queue
-    );
+    let what = format!("queue '{}' in vhost '{vhost}' already exists with other settings", plan.queue);
     let mut check = refused_check(r, &what);
     if check.reason == Reason::ArgumentsConflict {
-        check.message.push_str(
-            ". Make the policy match the queue, or move its messages and delete it yourself",
-        );
+        check.message.push_str(". Make the policy match the queue, or move its messages and delete it yourself");
     }
     check
 }
@@ -501,10 +399,7 @@ fn binding_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
             ),
         );
     }
-    refused_check(
-        r,
-        &format!("binding queue '{}' in vhost '{vhost}'", plan.queue),
-    )
+    refused_check(r, &format!("binding queue '{}' in vhost '{vhost}'", plan.queue))
 }
 
 /// What deleting a QueuePolicy did on the broker.
@@ -551,18 +446,12 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
         let _ = ch
             .exchange_delete(
                 plan.settings.dead_letter_exchange.as_str().into(),
-                ExchangeDeleteOptions {
-                    if_unused: true,
-                    ..Default::default()
-                },
+                ExchangeDeleteOptions { if_unused: true, ..Default::default() },
             )
             .await;
     }
     if plan.mode == SettingsMode::Policy
-        && let Err(e) = broker
-            .management
-            .delete_policy(&vhost, &plan.policy_name)
-            .await
+        && let Err(e) = broker.management.delete_policy(&vhost, &plan.policy_name).await
     {
         return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, e.to_string()));
     }
@@ -575,24 +464,14 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
 /// Ready messages and consumers from a passive declare (immediate, unlike management statistics).
 async fn passive_counts(broker: &Broker, queue: &str) -> Option<(u32, u32)> {
     let ch = broker.amqp.channel().await.ok()?;
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let q = ch
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-        .ok()?;
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    let q = ch.queue_declare(queue.into(), passive, FieldTable::default()).await.ok()?;
     Some((q.message_count(), q.consumer_count()))
 }
 
 async fn delete_queue_if_idle(broker: &Broker, queue: &str) -> Result<(), StepError> {
     let ch = broker.amqp.channel().await?;
-    let options = QueueDeleteOptions {
-        if_unused: true,
-        if_empty: true,
-        ..Default::default()
-    };
+    let options = QueueDeleteOptions { if_unused: true, if_empty: true, ..Default::default() };
     match ch.queue_delete(queue.into(), options).await {
         Ok(_) => Ok(()),
         Err(e) => match StepError::from(broker.amqp.classify(e)) {

@@ -32,12 +32,7 @@ pub const API_VERSION: &str = "queueguard.io/v1alpha1";
         json_path = ".status.queue.name",
         description = "queue name on the broker"
     ),
-    printcolumn(
-        name = "Type",
-        type_ = "string",
-        json_path = ".spec.queue.type",
-        description = "classic or quorum"
-    ),
+    printcolumn(name = "Type", type_ = "string", json_path = ".spec.queue.type", description = "classic or quorum"),
     printcolumn(
         name = "Consumers",
         type_ = "integer",
@@ -50,11 +45,7 @@ pub const API_VERSION: &str = "queueguard.io/v1alpha1";
         json_path = ".status.conditions[?(@.type==\"Ready\")].status",
         description = "whether the queue is declared as specified"
     ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct QueuePolicySpec {

@@ -9,9 +9,7 @@ use std::{fmt, time::Duration};
 pub const PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "invalid duration {input:?}: {why} (use whole numbers with ms, s, m or h, as in 90s, 30m, 1h30m)"
-)]
+#[error("invalid duration {input:?}: {why} (use whole numbers with ms, s, m or h, as in 90s, 30m, 1h30m)")]
 pub struct DurationError {
     input: String,
     why: &'static str,
@@ -19,10 +17,7 @@ pub struct DurationError {
 
 /// Parses `1h30m`, `45s`, `250ms`. No fractions, signs, spaces or days: `24h` is a day.
 pub fn parse(input: &str) -> Result<Duration, DurationError> {
-    let err = |why| DurationError {
-        input: input.to_owned(),
-        why,
-    };
+    let err = |why| DurationError { input: input.to_owned(), why };
     if input.is_empty() {
         return Err(err("empty"));
     }
@@ -33,9 +28,7 @@ pub fn parse(input: &str) -> Result<Duration, DurationError> {
         if digits == 0 {
             return Err(err("expected a number"));
         }
-        let value: u64 = rest[..digits]
-            .parse()
-            .map_err(|_| err("number too large"))?;
+        let value: u64 = rest[..digits].parse().map_err(|_| err("number too large"))?;
         rest = &rest[digits..];
         let unit_len = rest.bytes().take_while(u8::is_ascii_alphabetic).count();
         let per_unit_ms = match &rest[..unit_len] {
@@ -96,18 +89,7 @@ mod tests {
 
     #[test]
     fn rejects_what_cel_duration_would_not_read_the_same_way() {
-        for input in [
-            "",
-            "30",
-            "m",
-            "1d",
-            "1.5h",
-            "-1m",
-            "30 m",
-            "30M",
-            "1h30",
-            "99999999999999999999h",
-        ] {
+        for input in ["", "30", "m", "1d", "1.5h", "-1m", "30 m", "30M", "1h30", "99999999999999999999h"] {
             let err = parse(input).unwrap_err();
             assert!(err.to_string().contains(&format!("{input:?}")), "{err}");
         }
@@ -116,9 +98,7 @@ mod tests {
     #[test]
     fn pattern_accepts_exactly_what_the_parser_accepts() {
         let pattern = regex::Regex::new(PATTERN).unwrap();
-        for input in [
-            "30m", "1h30m", "1d", "5", "10ms", "1m1s1ms", "h1", "1hm", "", "0s", "1.5h",
-        ] {
+        for input in ["30m", "1h30m", "1d", "5", "10ms", "1m1s1ms", "h1", "1hm", "", "0s", "1.5h"] {
             assert_eq!(pattern.is_match(input), parse(input).is_ok(), "{input}");
         }
     }

@@ -37,10 +37,7 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             action,
             note: truncate(&now.message),
         };
-        if !events
-            .iter()
-            .any(|e| e.reason == event.reason && e.note == event.note)
-        {
+        if !events.iter().any(|e| e.reason == event.reason && e.note == event.note) {
             events.push(event);
         }
     }
@@ -78,11 +75,7 @@ mod tests {
     fn first_reconcile_announces_each_step() {
         let events = transitions(&[], &conditions(&ready()));
         let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
-        assert_eq!(
-            reasons,
-            ["Declared", "PolicyApplied"],
-            "two steps with the same reason and note make one Event"
-        );
+        assert_eq!(reasons, ["Declared", "PolicyApplied"], "two steps with the same reason and note make one Event");
         assert!(events.iter().all(|e| !e.warning));
     }
 
@@ -94,10 +87,7 @@ mod tests {
 
     #[test]
     fn an_unreachable_broker_is_one_warning() {
-        let down = Outcome::blocked(Check::unknown(
-            Reason::BrokerUnreachable,
-            "cannot connect to amqp://h:5672/%2F",
-        ));
+        let down = Outcome::blocked(Check::unknown(Reason::BrokerUnreachable, "cannot connect to amqp://h:5672/%2F"));
         let events = transitions(&conditions(&ready()), &conditions(&down));
         assert_eq!(events.len(), 1);
         assert!(events[0].warning);

@@ -14,6 +14,7 @@
 
 pub mod broker;
 pub mod cli;
+pub mod consumers;
 pub mod controller;
 pub mod converge;
 pub mod crd;

@@ -23,11 +23,7 @@ pub struct InputError {
 
 impl fmt::Display for InputError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}: document {}: {}",
-            self.source, self.document, self.message
-        )
+        write!(f, "{}: document {}: {}", self.source, self.document, self.message)
     }
 }
 
@@ -44,26 +40,15 @@ pub fn read_manifest(source: &str, text: &str) -> Result<Manifest, InputError> {
     let mut manifest = Manifest::default();
     for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
         let document = i + 1;
-        let err = |message: String| InputError {
-            source: source.to_owned(),
-            document,
-            message,
-        };
+        let err = |message: String| InputError { source: source.to_owned(), document, message };
         let value = serde_yaml_ng::Value::deserialize(doc).map_err(|e| err(e.to_string()))?;
         if value.is_null() {
             continue;
         }
-        let kind = value
-            .get("kind")
-            .and_then(|k| k.as_str())
-            .unwrap_or_default()
-            .to_owned();
+        let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or_default().to_owned();
         match kind.as_str() {
             "QueuePolicy" => {
-                let api_version = value
-                    .get("apiVersion")
-                    .and_then(|v| v.as_str())
-                    .unwrap_or_default();
+                let api_version = value.get("apiVersion").and_then(|v| v.as_str()).unwrap_or_default();
                 if api_version != crate::crd::API_VERSION {
                     return Err(err(format!(
                         "apiVersion: expected {}, found {api_version:?}",
@@ -88,11 +73,7 @@ fn strict<T: serde::de::DeserializeOwned>(value: serde_yaml_ng::Value) -> Result
     let typed: T = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner().to_string();
-        if path == "." {
-            inner
-        } else {
-            format!("{path}: {inner}")
-        }
+        if path == "." { inner } else { format!("{path}: {inner}") }
     })?;
     // Type metadata is read by kube's own (de)serialisers, which serde_ignored cannot see into.
     unknown.retain(|p| p != "apiVersion" && p != "kind");
@@ -104,11 +85,7 @@ fn strict<T: serde::de::DeserializeOwned>(value: serde_yaml_ng::Value) -> Result
 
 /// Reads a file, or stdin for `-`.
 pub fn read_source(path: &str) -> Result<String, InputError> {
-    let err = |e: std::io::Error| InputError {
-        source: path.to_owned(),
-        document: 0,
-        message: e.to_string(),
-    };
+    let err = |e: std::io::Error| InputError { source: path.to_owned(), document: 0, message: e.to_string() };
     if path == "-" {
         let mut text = String::new();
         std::io::stdin().read_to_string(&mut text).map_err(err)?;
@@ -136,16 +113,10 @@ pub async fn apply(
 ) -> Vec<Applied> {
     let mut results = Vec::new();
     for policy in &manifest.policies {
-        let namespace = policy
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
+        let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| "default".into());
         let name = policy.metadata.name.clone().unwrap_or_default();
         let outcome = match plan::plan(policy, limits) {
-            Err(errors) => {
-                Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(&errors)))
-            }
+            Err(errors) => Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(&errors))),
             Ok(plan) => {
                 let creds = match broker {
                     Some(c) => Ok(c.clone()),
@@ -154,38 +125,20 @@ pub async fn apply(
                 match creds.and_then(|c| reconcile::connect(pool, &plan, &c)) {
                     Err(check) => Outcome::blocked(check),
                     Ok(broker) => {
-                        let previous = policy
-                            .status
-                            .as_ref()
-                            .map(|s| s.applied_bindings.clone())
-                            .unwrap_or_default();
+                        let previous = policy.status.as_ref().map(|s| s.applied_bindings.clone()).unwrap_or_default();
                         converge::converge(&plan, &broker, &previous, Mode::Declare).await
                     }
                 }
             }
         };
         let ready = outcome.is_ready();
-        let status = next_status(
-            policy.status.as_ref(),
-            &outcome,
-            policy.metadata.generation,
-            Timestamp::now(),
-        );
-        results.push(Applied {
-            namespace,
-            name,
-            status,
-            ready,
-        });
+        let status = next_status(policy.status.as_ref(), &outcome, policy.metadata.generation, Timestamp::now());
+        results.push(Applied { namespace, name, status, ready });
     }
     results
 }
 
-fn credentials_in(
-    manifest: &Manifest,
-    namespace: &str,
-    secret_name: &str,
-) -> Result<BrokerCredentials, Check> {
+fn credentials_in(manifest: &Manifest, namespace: &str, secret_name: &str) -> Result<BrokerCredentials, Check> {
     let found = manifest.secrets.iter().find(|s| {
         s.metadata.name.as_deref() == Some(secret_name)
             && s.metadata.namespace.as_deref().unwrap_or("default") == namespace
@@ -204,10 +157,7 @@ fn credentials_in(
 /// The YAML printed for one result: a comment naming the policy, then its status.
 pub fn render(applied: &Applied) -> String {
     let body = serde_yaml_ng::to_string(&applied.status).expect("status serialises");
-    format!(
-        "---\n# QueuePolicy {}/{}\n{body}",
-        applied.namespace, applied.name
-    )
+    format!("---\n# QueuePolicy {}/{}\n{body}", applied.namespace, applied.name)
 }
 
 #[cfg(test)]
@@ -224,36 +174,22 @@ mod tests {
         let m = read_manifest("f.yaml", &text).unwrap();
         assert_eq!(m.policies.len(), 1);
         assert_eq!(m.secrets.len(), 1);
-        assert_eq!(
-            credentials_in(&m, "shop", "rabbitmq").unwrap().uri,
-            "amqp://u:p@h/"
-        );
-        assert_eq!(
-            credentials_in(&m, "other", "rabbitmq").unwrap_err().reason,
-            Reason::SecretNotFound
-        );
+        assert_eq!(credentials_in(&m, "shop", "rabbitmq").unwrap().uri, "amqp://u:p@h/");
+        assert_eq!(credentials_in(&m, "other", "rabbitmq").unwrap_err().reason, Reason::SecretNotFound);
     }
 
     #[test]
     fn type_errors_name_document_and_field() {
-        let text = format!(
-            "{POLICY}---\n{}",
-            POLICY.replace("{expires: 1h}", "{expires: 1h, maxLength: lots}")
-        );
+        let text = format!("{POLICY}---\n{}", POLICY.replace("{expires: 1h}", "{expires: 1h, maxLength: lots}"));
         let err = read_manifest("f.yaml", &text).unwrap_err();
         assert_eq!(err.document, 2);
-        assert!(
-            err.message
-                .starts_with("spec.queue.maxLength: invalid type"),
-            "{err}"
-        );
+        assert!(err.message.starts_with("spec.queue.maxLength: invalid type"), "{err}");
         assert!(err.to_string().starts_with("f.yaml: document 2: "), "{err}");
     }
 
     #[test]
     fn unknown_fields_are_errors_like_kubectl_strict_validation() {
-        let err =
-            read_manifest("f.yaml", &POLICY.replace("expires: 1h", "expire: 1h")).unwrap_err();
+        let err = read_manifest("f.yaml", &POLICY.replace("expires: 1h", "expire: 1h")).unwrap_err();
         assert_eq!(err.message, "spec.queue.expire: unknown field");
     }
 
@@ -262,16 +198,8 @@ mod tests {
         let err = read_manifest("f.yaml", "kind: [unclosed").unwrap_err();
         assert_eq!(err.document, 1);
         assert!(err.message.contains("line 1"), "{err}");
-        assert_eq!(
-            read_manifest("f.yaml", "metadata: {}").unwrap_err().message,
-            "kind: missing"
-        );
+        assert_eq!(read_manifest("f.yaml", "metadata: {}").unwrap_err().message, "kind: missing");
         let wrong = POLICY.replace("v1alpha1", "v9");
-        assert!(
-            read_manifest("f.yaml", &wrong)
-                .unwrap_err()
-                .message
-                .starts_with("apiVersion")
-        );
+        assert!(read_manifest("f.yaml", &wrong).unwrap_err().message.starts_with("apiVersion"));
     }
 }

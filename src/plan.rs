@@ -23,9 +23,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self {
-            min_expires: Duration::from_secs(60),
-        }
+        Self { min_expires: Duration::from_secs(60) }
     }
 }
 
@@ -76,22 +74,14 @@ impl fmt::Display for FieldError {
 
 /// All the rules a spec breaks, joined for a condition message.
 pub fn describe(errors: &[FieldError]) -> String {
-    errors
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ")
+    errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }
 
 /// Resolves and checks a QueuePolicy. Returns every problem at once, not just the first.
 pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<FieldError>> {
     let mut errors = Errors::default();
     let spec = &policy.spec;
-    let namespace = policy
-        .metadata
-        .namespace
-        .clone()
-        .unwrap_or_else(|| "default".into());
+    let namespace = policy.metadata.namespace.clone().unwrap_or_else(|| "default".into());
     let name = policy.metadata.name.clone().unwrap_or_default();
     if name.is_empty() {
         errors.add("metadata.name", "must be set");
@@ -103,35 +93,20 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
 
     let expires = errors.duration("spec.queue.expires", &q.expires);
     if expires.is_some_and(|e| e < limits.min_expires) {
-        errors.add(
-            "spec.queue.expires",
-            format!("must be at least {}", duration::Human(limits.min_expires)),
-        );
+        errors.add("spec.queue.expires", format!("must be at least {}", duration::Human(limits.min_expires)));
     }
     if expires.is_some_and(|e| e.as_millis() > u128::from(MAX_EXPIRY_MS)) {
-        errors.add(
-            "spec.queue.expires",
-            "must be at most 1193h (the broker's limit of 2^32-1 ms)",
-        );
+        errors.add("spec.queue.expires", "must be at most 1193h (the broker's limit of 2^32-1 ms)");
     }
-    let message_ttl = q
-        .message_ttl
-        .as_deref()
-        .and_then(|t| errors.duration("spec.queue.messageTtl", t));
+    let message_ttl = q.message_ttl.as_deref().and_then(|t| errors.duration("spec.queue.messageTtl", t));
     if message_ttl.is_some_and(|t| t.as_millis() > u128::from(MAX_EXPIRY_MS)) {
-        errors.add(
-            "spec.queue.messageTtl",
-            "must be at most 1193h (the broker's limit of 2^32-1 ms)",
-        );
+        errors.add("spec.queue.messageTtl", "must be at most 1193h (the broker's limit of 2^32-1 ms)");
     }
     if q.max_length.is_some_and(|n| n < 0) {
         errors.add("spec.queue.maxLength", "must not be negative");
     }
     if q.overflow.is_some() && q.max_length.is_none() {
-        errors.add(
-            "spec.queue.overflow",
-            "only applies together with maxLength",
-        );
+        errors.add("spec.queue.overflow", "only applies together with maxLength");
     }
     if q.queue_type == QueueType::Quorum && q.overflow == Some(Overflow::RejectPublishDlx) {
         errors.add(
@@ -141,35 +116,16 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
     }
 
     let dl = &q.dead_letter;
-    let dead_letter_exchange = dl
-        .exchange
-        .clone()
-        .unwrap_or_else(|| format!("{queue}.dlx"));
+    let dead_letter_exchange = dl.exchange.clone().unwrap_or_else(|| format!("{queue}.dlx"));
     let dead_letter_queue = dl.queue.clone().unwrap_or_else(|| format!("{queue}.dlq"));
     let dead_letter_routing_key = dl.routing_key.clone().unwrap_or_else(|| queue.clone());
-    check_name(
-        &mut errors,
-        "spec.queue.deadLetter.exchange",
-        &dead_letter_exchange,
-        "exchange",
-    );
-    check_name(
-        &mut errors,
-        "spec.queue.deadLetter.queue",
-        &dead_letter_queue,
-        "queue",
-    );
+    check_name(&mut errors, "spec.queue.deadLetter.exchange", &dead_letter_exchange, "exchange");
+    check_name(&mut errors, "spec.queue.deadLetter.queue", &dead_letter_queue, "queue");
     if dead_letter_routing_key.len() > MAX_NAME_BYTES {
-        errors.add(
-            "spec.queue.deadLetter.routingKey",
-            "must be at most 255 bytes",
-        );
+        errors.add("spec.queue.deadLetter.routingKey", "must be at most 255 bytes");
     }
     if dead_letter_queue == queue {
-        errors.add(
-            "spec.queue.deadLetter.queue",
-            "must differ from the queue itself",
-        );
+        errors.add("spec.queue.deadLetter.queue", "must differ from the queue itself");
     }
 
     let mut bindings = q.bindings.clone();
@@ -182,29 +138,21 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
                 "must be set (the default exchange cannot be bound)",
             );
         } else if b.exchange.len() > MAX_NAME_BYTES || b.routing_key.len() > MAX_NAME_BYTES {
-            errors.add(
-                format!("spec.queue.bindings[{i}]"),
-                "names must be at most 255 bytes",
-            );
+            errors.add(format!("spec.queue.bindings[{i}]"), "names must be at most 255 bytes");
         }
     }
 
     if let Some(consumers) = &spec.consumers {
         check_consumers(&mut errors, consumers);
     }
-    let attach_timeout = errors
-        .duration("spec.gate.attachTimeout", &spec.gate.attach_timeout)
-        .unwrap_or_default();
+    let attach_timeout = errors.duration("spec.gate.attachTimeout", &spec.gate.attach_timeout).unwrap_or_default();
 
     let secret_name = spec.broker.secret_ref.name.clone();
     if secret_name.is_empty() {
         errors.add("spec.broker.secretRef.name", "must be set");
     }
     if spec.broker.vhost.as_deref() == Some("") {
-        errors.add(
-            "spec.broker.vhost",
-            "must not be empty (omit it to use the URI's vhost)",
-        );
+        errors.add("spec.broker.vhost", "must not be empty (omit it to use the URI's vhost)");
     }
 
     errors.finish()?;
@@ -236,36 +184,21 @@ fn check_name(errors: &mut Errors, field: &str, value: &str, what: &str) {
     if value.is_empty() {
         errors.add(field, "must not be empty");
     } else if value.len() > MAX_NAME_BYTES {
-        errors.add(
-            field,
-            format!(
-                "{what} name {value:?} is {} bytes; the broker allows 255",
-                value.len()
-            ),
-        );
+        errors.add(field, format!("{what} name {value:?} is {} bytes; the broker allows 255", value.len()));
     } else if value.starts_with("amq.") {
-        errors.add(
-            field,
-            format!("{what} name {value:?} starts with 'amq.', which the broker reserves"),
-        );
+        errors.add(field, format!("{what} name {value:?} starts with 'amq.', which the broker reserves"));
     }
 }
 
 fn check_consumers(errors: &mut Errors, c: &ConsumersSpec) {
     if c.deployment.is_some() == c.selector.is_some() {
-        errors.add(
-            "spec.consumers",
-            "set exactly one of deployment and selector",
-        );
+        errors.add("spec.consumers", "set exactly one of deployment and selector");
     }
     if c.min_attached < 1 {
         errors.add("spec.consumers.minAttached", "must be at least 1");
     }
     if !(0..=3600).contains(&c.min_attached_seconds) {
-        errors.add(
-            "spec.consumers.minAttachedSeconds",
-            "must be between 0 and 3600",
-        );
+        errors.add("spec.consumers.minAttachedSeconds", "must be between 0 and 3600");
     }
 }
 
@@ -274,24 +207,15 @@ struct Errors(Vec<FieldError>);
 
 impl Errors {
     fn add(&mut self, field: impl Into<String>, message: impl Into<String>) {
-        self.0.push(FieldError {
-            field: field.into(),
-            message: message.into(),
-        });
+        self.0.push(FieldError { field: field.into(), message: message.into() });
     }
 
     fn duration(&mut self, field: &str, value: &str) -> Option<Duration> {
-        duration::parse(value)
-            .map_err(|e| self.add(field, e.to_string()))
-            .ok()
+        duration::parse(value).map_err(|e| self.add(field, e.to_string())).ok()
     }
 
     fn finish(self) -> Result<(), Vec<FieldError>> {
-        if self.0.is_empty() {
-            Ok(())
-        } else {
-            Err(self.0)
-        }
+        if self.0.is_empty() { Ok(()) } else { Err(self.0) }
     }
 }
 
@@ -301,11 +225,7 @@ mod tests {
     use crate::testing::policy_yaml;
 
     fn errors_of(yaml: &str) -> Vec<String> {
-        plan(&policy_yaml(yaml), Limits::default())
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect()
+        plan(&policy_yaml(yaml), Limits::default()).unwrap_err().iter().map(ToString::to_string).collect()
     }
 
     #[test]
@@ -318,10 +238,7 @@ mod tests {
         assert_eq!(p.settings.dead_letter_exchange, "orders.dlx");
         assert_eq!(p.settings.dead_letter_routing_key, "orders");
         assert_eq!(p.dead_letter_queue, "orders.dlq");
-        assert_eq!(
-            (p.queue_type, p.mode, p.keep_alive),
-            (QueueType::Classic, SettingsMode::Policy, true)
-        );
+        assert_eq!((p.queue_type, p.mode, p.keep_alive), (QueueType::Classic, SettingsMode::Policy, true));
         assert_eq!(p.deletion, DeletionPolicy::Retain);
         assert_eq!(p.vhost, None);
     }
@@ -340,10 +257,7 @@ mod tests {
         assert_eq!(p.queue, "billing");
         assert_eq!(p.settings.expires, Duration::from_secs(7200));
         assert_eq!(p.settings.message_ttl, Some(Duration::from_secs(90)));
-        assert_eq!(
-            (p.settings.max_length, p.settings.overflow),
-            (Some(1000), Some(Overflow::RejectPublish))
-        );
+        assert_eq!((p.settings.max_length, p.settings.overflow), (Some(1000), Some(Overflow::RejectPublish)));
         assert_eq!(p.dead_letter_queue, "parking");
         assert_eq!(p.bindings.len(), 2, "duplicates removed: {:?}", p.bindings);
         assert_eq!(p.bindings[0].exchange, "a");
@@ -352,27 +266,15 @@ mod tests {
     #[test]
     fn bad_durations_name_the_field() {
         let errs = errors_of("{expires: 30 minutes, messageTtl: 1d}");
-        assert!(
-            errs[0].starts_with("spec.queue.expires: invalid duration \"30 minutes\""),
-            "{errs:?}"
-        );
-        assert!(
-            errs.iter()
-                .any(|e| e.starts_with("spec.queue.messageTtl: invalid duration \"1d\"")),
-            "{errs:?}"
-        );
+        assert!(errs[0].starts_with("spec.queue.expires: invalid duration \"30 minutes\""), "{errs:?}");
+        assert!(errs.iter().any(|e| e.starts_with("spec.queue.messageTtl: invalid duration \"1d\"")), "{errs:?}");
     }
 
     #[test]
     fn expiry_bounds() {
-        assert_eq!(
-            errors_of("{expires: 59s}"),
-            ["spec.queue.expires: must be at least 1m"]
-        );
+        assert_eq!(errors_of("{expires: 59s}"), ["spec.queue.expires: must be at least 1m"]);
         assert!(errors_of("{expires: 1194h}")[0].contains("at most 1193h"));
-        let short = Limits {
-            min_expires: Duration::from_secs(1),
-        };
+        let short = Limits { min_expires: Duration::from_secs(1) };
         assert!(plan(&policy_yaml("{expires: 2s}"), short).is_ok());
     }
 
@@ -380,45 +282,22 @@ mod tests {
     fn names_are_checked_in_bytes_and_for_reserved_prefixes() {
         let long = "é".repeat(128);
         let errs = errors_of(&format!("{{name: {long}}}"));
-        assert!(
-            errs[0].contains("256 bytes; the broker allows 255"),
-            "{errs:?}"
-        );
+        assert!(errs[0].contains("256 bytes; the broker allows 255"), "{errs:?}");
         assert!(errors_of("{name: amq.orders}")[0].contains("which the broker reserves"));
-        assert_eq!(
-            errors_of("{name: ''}")[0],
-            "spec.queue.name: must not be empty"
-        );
+        assert_eq!(errors_of("{name: ''}")[0], "spec.queue.name: must not be empty");
         let errs = errors_of(&format!("{{name: {}}}", "q".repeat(253)));
-        assert!(
-            errs.iter()
-                .any(|e| e.starts_with("spec.queue.deadLetter.exchange")),
-            "{errs:?}"
-        );
-        assert!(
-            errs.iter()
-                .any(|e| e.starts_with("spec.queue.deadLetter.queue")),
-            "{errs:?}"
-        );
+        assert!(errs.iter().any(|e| e.starts_with("spec.queue.deadLetter.exchange")), "{errs:?}");
+        assert!(errs.iter().any(|e| e.starts_with("spec.queue.deadLetter.queue")), "{errs:?}");
         assert!(errors_of("{deadLetter: {queue: orders}}")[0].contains("must differ"));
     }
 
     #[test]
     fn cross_field_rules() {
-        assert_eq!(
-            errors_of("{overflow: drop-head}"),
-            ["spec.queue.overflow: only applies together with maxLength"]
-        );
+        assert_eq!(errors_of("{overflow: drop-head}"), ["spec.queue.overflow: only applies together with maxLength"]);
+        assert!(errors_of("{type: quorum, maxLength: 5, overflow: reject-publish-dlx}")[0].contains("quorum"));
         assert!(
-            errors_of("{type: quorum, maxLength: 5, overflow: reject-publish-dlx}")[0]
-                .contains("quorum")
-        );
-        assert!(
-            plan(
-                &policy_yaml("{type: classic, maxLength: 5, overflow: reject-publish-dlx}"),
-                Limits::default()
-            )
-            .is_ok()
+            plan(&policy_yaml("{type: classic, maxLength: 5, overflow: reject-publish-dlx}"), Limits::default())
+                .is_ok()
         );
     }
 

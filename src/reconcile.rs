@@ -20,42 +20,24 @@ pub const SECRET_RETRY: Duration = Duration::from_secs(30);
 pub const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 
 /// The shared endpoint for a plan's broker, or the condition that explains why there is none.
-pub fn connect(
-    pool: &BrokerPool,
-    plan: &QueuePlan,
-    creds: &BrokerCredentials,
-) -> Result<Arc<Broker>, Check> {
-    let uri = BrokerUri::parse(&creds.uri, creds.management_uri.as_deref()).map_err(|e| {
-        Check::failed(
-            Reason::InvalidBrokerUri,
-            format!("Secret '{}' key {e}", plan.secret_name),
-        )
-    })?;
+pub fn connect(pool: &BrokerPool, plan: &QueuePlan, creds: &BrokerCredentials) -> Result<Arc<Broker>, Check> {
+    let uri = BrokerUri::parse(&creds.uri, creds.management_uri.as_deref())
+        .map_err(|e| Check::failed(Reason::InvalidBrokerUri, format!("Secret '{}' key {e}", plan.secret_name)))?;
     let uri = match &plan.vhost {
         Some(vhost) => uri.with_vhost(vhost),
         None => uri,
     };
-    pool.get(uri, creds.ca_cert.clone())
-        .map_err(|e| Check::failed(Reason::InvalidBrokerUri, e.to_string()))
+    pool.get(uri, creds.ca_cert.clone()).map_err(|e| Check::failed(Reason::InvalidBrokerUri, e.to_string()))
 }
 
 /// Declare, unless keepAlive is off and this generation's queue was already declared: then only
 /// observe, so the operator's own declares do not keep renewing the expiry lease.
-pub fn mode_for(
-    plan: &QueuePlan,
-    previous: Option<&QueuePolicyStatus>,
-    generation: Option<i64>,
-) -> Mode {
+pub fn mode_for(plan: &QueuePlan, previous: Option<&QueuePolicyStatus>, generation: Option<i64>) -> Mode {
     let declared_this_generation = previous.is_some_and(|s| {
         s.observed_generation == generation
-            && status::find(&s.conditions, ConditionType::QueueDeclared)
-                .is_some_and(|c| c.status == "True")
+            && status::find(&s.conditions, ConditionType::QueueDeclared).is_some_and(|c| c.status == "True")
     });
-    if !plan.keep_alive && declared_this_generation {
-        Mode::Observe
-    } else {
-        Mode::Declare
-    }
+    if !plan.keep_alive && declared_this_generation { Mode::Observe } else { Mode::Declare }
 }
 
 /// When to reconcile again; None waits for the next change of the object.
@@ -63,20 +45,14 @@ pub fn requeue_after(plan: Option<&QueuePlan>, outcome: &Outcome) -> Option<Dura
     let plan = plan?;
     if outcome.is_ready() {
         // A renewal well inside the expiry window, so keepAlive really keeps the queue alive.
-        let renew = if plan.keep_alive {
-            plan.settings.expires / 3
-        } else {
-            RESYNC
-        };
+        let renew = if plan.keep_alive { plan.settings.expires / 3 } else { RESYNC };
         return Some(renew.clamp(Duration::from_secs(1), RESYNC));
     }
     let reason = outcome.ready().reason;
     Some(match reason {
         Reason::InvalidSpec => return None,
         Reason::BrokerUnreachable => UNREACHABLE_RETRY,
-        Reason::SecretNotFound | Reason::SecretKeyMissing | Reason::InvalidBrokerUri => {
-            SECRET_RETRY
-        }
+        Reason::SecretNotFound | Reason::SecretKeyMissing | Reason::InvalidBrokerUri => SECRET_RETRY,
         _ => CONFLICT_RETRY,
     })
 }
@@ -97,36 +73,18 @@ mod tests {
 
     #[test]
     fn keep_alive_renews_within_a_third_of_the_expiry() {
-        assert_eq!(
-            requeue_after(Some(&plan_of("{expires: 3m}")), &ready()),
-            Some(Duration::from_secs(60))
-        );
-        assert_eq!(
-            requeue_after(Some(&plan_of("{expires: 24h}")), &ready()),
-            Some(RESYNC)
-        );
-        assert_eq!(
-            requeue_after(Some(&plan_of("{expires: 3m, keepAlive: false}")), &ready()),
-            Some(RESYNC)
-        );
+        assert_eq!(requeue_after(Some(&plan_of("{expires: 3m}")), &ready()), Some(Duration::from_secs(60)));
+        assert_eq!(requeue_after(Some(&plan_of("{expires: 24h}")), &ready()), Some(RESYNC));
+        assert_eq!(requeue_after(Some(&plan_of("{expires: 3m, keepAlive: false}")), &ready()), Some(RESYNC));
     }
 
     #[test]
     fn failures_retry_by_kind_and_invalid_specs_wait_for_a_change() {
         let p = plan_of("{}");
         let blocked = |reason| Outcome::blocked(Check::failed(reason, "x"));
-        assert_eq!(
-            requeue_after(Some(&p), &blocked(Reason::BrokerUnreachable)),
-            Some(UNREACHABLE_RETRY)
-        );
-        assert_eq!(
-            requeue_after(Some(&p), &blocked(Reason::SecretNotFound)),
-            Some(SECRET_RETRY)
-        );
-        assert_eq!(
-            requeue_after(Some(&p), &blocked(Reason::ArgumentsConflict)),
-            Some(CONFLICT_RETRY)
-        );
+        assert_eq!(requeue_after(Some(&p), &blocked(Reason::BrokerUnreachable)), Some(UNREACHABLE_RETRY));
+        assert_eq!(requeue_after(Some(&p), &blocked(Reason::SecretNotFound)), Some(SECRET_RETRY));
+        assert_eq!(requeue_after(Some(&p), &blocked(Reason::ArgumentsConflict)), Some(CONFLICT_RETRY));
         assert_eq!(requeue_after(None, &blocked(Reason::InvalidSpec)), None);
     }
 
@@ -136,14 +94,7 @@ mod tests {
         assert_eq!(mode_for(&p, None, Some(1)), Mode::Declare);
         let declared = next_status(None, &ready(), Some(1), Timestamp::UNIX_EPOCH);
         assert_eq!(mode_for(&p, Some(&declared), Some(1)), Mode::Observe);
-        assert_eq!(
-            mode_for(&p, Some(&declared), Some(2)),
-            Mode::Declare,
-            "a changed spec is declared again"
-        );
-        assert_eq!(
-            mode_for(&plan_of("{}"), Some(&declared), Some(1)),
-            Mode::Declare
-        );
+        assert_eq!(mode_for(&p, Some(&declared), Some(2)), Mode::Declare, "a changed spec is declared again");
+        assert_eq!(mode_for(&plan_of("{}"), Some(&declared), Some(1)), Mode::Declare);
     }
 }

@@ -14,29 +14,16 @@ pub const CA_CERT_KEY: &str = "caCert";
 pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {
     let name = secret.metadata.name.as_deref().unwrap_or_default();
     let read = |key: &str| -> Result<Option<String>, Check> {
-        let from_data = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(key))
-            .map(|b| b.0.clone());
+        let from_data = secret.data.as_ref().and_then(|d| d.get(key)).map(|b| b.0.clone());
         // stringData is write-only on a cluster, but manifests read in local mode carry it.
-        let from_string_data = || {
-            secret
-                .string_data
-                .as_ref()
-                .and_then(|d| d.get(key))
-                .map(|s| s.clone().into_bytes())
-        };
+        let from_string_data = || secret.string_data.as_ref().and_then(|d| d.get(key)).map(|s| s.clone().into_bytes());
         match from_data.or_else(from_string_data) {
             None => Ok(None),
-            Some(bytes) => String::from_utf8(bytes)
-                .map(|s| Some(s.trim().to_owned()).filter(|s| !s.is_empty()))
-                .map_err(|_| {
-                    Check::failed(
-                        Reason::InvalidBrokerUri,
-                        format!("Secret '{name}' key '{key}' is not UTF-8 text"),
-                    )
-                }),
+            Some(bytes) => {
+                String::from_utf8(bytes).map(|s| Some(s.trim().to_owned()).filter(|s| !s.is_empty())).map_err(|_| {
+                    Check::failed(Reason::InvalidBrokerUri, format!("Secret '{name}' key '{key}' is not UTF-8 text"))
+                })
+            }
         }
     };
     let uri = read(URI_KEY)?.ok_or_else(|| {
@@ -45,11 +32,7 @@ pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {
             format!("Secret '{name}' has no key '{URI_KEY}' (expected amqp[s]://user:password@host:port/vhost)"),
         )
     })?;
-    Ok(BrokerCredentials {
-        uri,
-        management_uri: read(MANAGEMENT_URI_KEY)?,
-        ca_cert: read(CA_CERT_KEY)?,
-    })
+    Ok(BrokerCredentials { uri, management_uri: read(MANAGEMENT_URI_KEY)?, ca_cert: read(CA_CERT_KEY)? })
 }
 
 #[cfg(test)]
@@ -60,26 +43,14 @@ mod tests {
     fn secret(data: &[(&str, &str)]) -> Secret {
         let mut s = Secret::default();
         s.metadata.name = Some("rabbitmq".into());
-        s.data = Some(
-            data.iter()
-                .map(|(k, v)| {
-                    (
-                        k.to_string(),
-                        k8s_openapi::ByteString(v.as_bytes().to_vec()),
-                    )
-                })
-                .collect(),
-        );
+        s.data =
+            Some(data.iter().map(|(k, v)| (k.to_string(), k8s_openapi::ByteString(v.as_bytes().to_vec()))).collect());
         s
     }
 
     #[test]
     fn reads_uri_and_optional_keys() {
-        let c = credentials(&secret(&[
-            ("uri", "amqp://u:p@h/\n"),
-            ("managementUri", "http://h:15672"),
-        ]))
-        .unwrap();
+        let c = credentials(&secret(&[("uri", "amqp://u:p@h/\n"), ("managementUri", "http://h:15672")])).unwrap();
         assert_eq!(c.uri, "amqp://u:p@h/");
         assert_eq!(c.management_uri.as_deref(), Some("http://h:15672"));
         assert_eq!(c.ca_cert, None);
@@ -98,10 +69,7 @@ mod tests {
     #[test]
     fn string_data_counts_in_manifests() {
         let s = Secret {
-            string_data: Some(BTreeMap::from([(
-                "uri".to_string(),
-                "amqp://u:p@h/".to_string(),
-            )])),
+            string_data: Some(BTreeMap::from([("uri".to_string(), "amqp://u:p@h/".to_string())])),
             ..Default::default()
         };
         assert_eq!(credentials(&s).unwrap().uri, "amqp://u:p@h/");

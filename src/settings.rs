@@ -27,10 +27,7 @@ pub enum ArgValue {
 /// The `x-` arguments of the queue's declare. Policy mode sends only the type; a plain re-declare
 /// by an application (no arguments) then stays equivalent for classic queues.
 pub fn queue_arguments(plan: &QueuePlan) -> BTreeMap<&'static str, ArgValue> {
-    let mut args = BTreeMap::from([(
-        "x-queue-type",
-        ArgValue::Str(plan.queue_type.as_str().into()),
-    )]);
+    let mut args = BTreeMap::from([("x-queue-type", ArgValue::Str(plan.queue_type.as_str().into()))]);
     if plan.mode == SettingsMode::Arguments {
         for (key, value) in setting_pairs(plan) {
             args.insert(key.argument, value);
@@ -41,10 +38,7 @@ pub fn queue_arguments(plan: &QueuePlan) -> BTreeMap<&'static str, ArgValue> {
 
 /// The dead-letter queue's arguments: same type as the queue, and no expiry, ever.
 pub fn dead_letter_queue_arguments(plan: &QueuePlan) -> BTreeMap<&'static str, ArgValue> {
-    BTreeMap::from([(
-        "x-queue-type",
-        ArgValue::Str(plan.queue_type.as_str().into()),
-    )])
+    BTreeMap::from([("x-queue-type", ArgValue::Str(plan.queue_type.as_str().into()))])
 }
 
 struct Key {
@@ -52,40 +46,16 @@ struct Key {
     policy: &'static str,
 }
 
-const EXPIRES: Key = Key {
-    argument: "x-expires",
-    policy: "expires",
-};
-const DLX: Key = Key {
-    argument: "x-dead-letter-exchange",
-    policy: "dead-letter-exchange",
-};
-const DLRK: Key = Key {
-    argument: "x-dead-letter-routing-key",
-    policy: "dead-letter-routing-key",
-};
-const TTL: Key = Key {
-    argument: "x-message-ttl",
-    policy: "message-ttl",
-};
-const MAX_LEN: Key = Key {
-    argument: "x-max-length",
-    policy: "max-length",
-};
-const OVERFLOW: Key = Key {
-    argument: "x-overflow",
-    policy: "overflow",
-};
+const EXPIRES: Key = Key { argument: "x-expires", policy: "expires" };
+const DLX: Key = Key { argument: "x-dead-letter-exchange", policy: "dead-letter-exchange" };
+const DLRK: Key = Key { argument: "x-dead-letter-routing-key", policy: "dead-letter-routing-key" };
+const TTL: Key = Key { argument: "x-message-ttl", policy: "message-ttl" };
+const MAX_LEN: Key = Key { argument: "x-max-length", policy: "max-length" };
+const OVERFLOW: Key = Key { argument: "x-overflow", policy: "overflow" };
 
 /// Every key the operator manages, as policy keys (so displaced policies cannot override them).
-const MANAGED_POLICY_KEYS: [&str; 6] = [
-    EXPIRES.policy,
-    DLX.policy,
-    DLRK.policy,
-    TTL.policy,
-    MAX_LEN.policy,
-    OVERFLOW.policy,
-];
+const MANAGED_POLICY_KEYS: [&str; 6] =
+    [EXPIRES.policy, DLX.policy, DLRK.policy, TTL.policy, MAX_LEN.policy, OVERFLOW.policy];
 
 fn setting_pairs(plan: &QueuePlan) -> Vec<(Key, ArgValue)> {
     let s = &plan.settings;
@@ -129,17 +99,10 @@ pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecis
         .iter()
         .filter(|p| {
             p.name != plan.policy_name
-                && matches!(
-                    p.apply_to.as_str(),
-                    "queues" | "all" | "classic_queues" | "quorum_queues"
-                )
+                && matches!(p.apply_to.as_str(), "queues" | "all" | "classic_queues" | "quorum_queues")
         })
-        .filter(|p| {
-            p.apply_to != "classic_queues" || plan.queue_type == crate::crd::QueueType::Classic
-        })
-        .filter(|p| {
-            p.apply_to != "quorum_queues" || plan.queue_type == crate::crd::QueueType::Quorum
-        })
+        .filter(|p| p.apply_to != "classic_queues" || plan.queue_type == crate::crd::QueueType::Classic)
+        .filter(|p| p.apply_to != "quorum_queues" || plan.queue_type == crate::crd::QueueType::Quorum)
         .filter(|p| match Regex::new(&p.pattern) {
             Ok(re) => re.is_match(&plan.queue),
             Err(_) => {
@@ -149,19 +112,9 @@ pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecis
         })
         .collect();
     // Highest priority first; among equals, by name, so the choice is stable.
-    matching.sort_by(|a, b| {
-        b.priority
-            .cmp(&a.priority)
-            .then_with(|| a.name.cmp(&b.name))
-    });
-    let shadowed_by = matching
-        .iter()
-        .find(|p| p.priority >= POLICY_PRIORITY)
-        .map(|p| (*p).clone());
-    let displaced = matching
-        .iter()
-        .find(|p| p.priority < POLICY_PRIORITY)
-        .copied();
+    matching.sort_by(|a, b| b.priority.cmp(&a.priority).then_with(|| a.name.cmp(&b.name)));
+    let shadowed_by = matching.iter().find(|p| p.priority >= POLICY_PRIORITY).map(|p| (*p).clone());
+    let displaced = matching.iter().find(|p| p.priority < POLICY_PRIORITY).copied();
 
     let mut definition = Map::new();
     if let Some(d) = displaced {
@@ -182,13 +135,7 @@ pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecis
         definition,
     };
     let up_to_date = existing.contains(&desired);
-    PolicyDecision {
-        desired,
-        up_to_date,
-        shadowed_by,
-        displaced: displaced.map(|p| p.name.clone()),
-        unreadable,
-    }
+    PolicyDecision { desired, up_to_date, shadowed_by, displaced: displaced.map(|p| p.name.clone()), unreadable }
 }
 
 /// Where an existing queue's arguments (as the management API lists them) differ from the ones
@@ -201,11 +148,7 @@ pub fn argument_differences(
         Value::String(s) => s.clone(),
         other => other.to_string(),
     };
-    let mut keys: Vec<&str> = desired
-        .keys()
-        .copied()
-        .chain(actual.keys().map(String::as_str))
-        .collect();
+    let mut keys: Vec<&str> = desired.keys().copied().chain(actual.keys().map(String::as_str)).collect();
     keys.sort_unstable();
     keys.dedup();
     keys.into_iter()
@@ -255,10 +198,7 @@ mod tests {
     #[test]
     fn policy_mode_declares_only_the_type() {
         let args = queue_arguments(&plan_of("{}"));
-        assert_eq!(
-            args,
-            BTreeMap::from([("x-queue-type", ArgValue::Str("classic".into()))])
-        );
+        assert_eq!(args, BTreeMap::from([("x-queue-type", ArgValue::Str("classic".into()))]));
     }
 
     #[test]
@@ -282,10 +222,7 @@ mod tests {
     #[test]
     fn dead_letter_queue_never_expires() {
         let args = dead_letter_queue_arguments(&plan_of("{settings: Arguments, type: quorum}"));
-        assert_eq!(
-            args,
-            BTreeMap::from([("x-queue-type", ArgValue::Str("quorum".into()))])
-        );
+        assert_eq!(args, BTreeMap::from([("x-queue-type", ArgValue::Str("quorum".into()))]));
     }
 
     #[test]
@@ -308,41 +245,21 @@ mod tests {
         let again = policy_decision(&plan, std::slice::from_ref(&first.desired));
         assert!(again.up_to_date);
         let changed = policy_decision(&plan_of("{expires: 1h}"), &[first.desired]);
-        assert!(
-            !changed.up_to_date,
-            "a changed setting updates the policy in place"
-        );
+        assert!(!changed.up_to_date, "a changed setting updates the policy in place");
     }
 
     #[test]
     fn equal_or_higher_priority_shadows() {
         let plan = plan_of("{}");
         for priority in [POLICY_PRIORITY, POLICY_PRIORITY + 1] {
-            let d = policy_decision(
-                &plan,
-                &[policy("team", "^ord", priority, json!({"max-length": 5}))],
-            );
-            assert_eq!(
-                d.shadowed_by.map(|p| p.name),
-                Some("team".into()),
-                "priority {priority}"
-            );
+            let d = policy_decision(&plan, &[policy("team", "^ord", priority, json!({"max-length": 5}))]);
+            assert_eq!(d.shadowed_by.map(|p| p.name), Some("team".into()), "priority {priority}");
         }
         let other_queue = policy_decision(&plan, &[policy("team", "^billing$", 500, json!({}))]);
         assert!(other_queue.shadowed_by.is_none());
-        let exchanges_only = PolicyInfo {
-            apply_to: "exchanges".into(),
-            ..policy("x", ".*", 500, json!({}))
-        };
-        assert!(
-            policy_decision(&plan, &[exchanges_only])
-                .shadowed_by
-                .is_none()
-        );
-        let quorum_only = PolicyInfo {
-            apply_to: "quorum_queues".into(),
-            ..policy("q", ".*", 500, json!({}))
-        };
+        let exchanges_only = PolicyInfo { apply_to: "exchanges".into(), ..policy("x", ".*", 500, json!({})) };
+        assert!(policy_decision(&plan, &[exchanges_only]).shadowed_by.is_none());
+        let quorum_only = PolicyInfo { apply_to: "quorum_queues".into(), ..policy("q", ".*", 500, json!({})) };
         assert!(policy_decision(&plan, &[quorum_only]).shadowed_by.is_none());
     }
 
@@ -353,12 +270,7 @@ mod tests {
             &plan,
             &[
                 policy("ha-all", ".*", 0, json!({"ha-mode": "all", "expires": 5})),
-                policy(
-                    "lazy",
-                    "^orders$",
-                    1,
-                    json!({"queue-mode": "lazy", "dead-letter-exchange": "elsewhere"}),
-                ),
+                policy("lazy", "^orders$", 1, json!({"queue-mode": "lazy", "dead-letter-exchange": "elsewhere"})),
             ],
         );
         assert_eq!(
@@ -367,10 +279,7 @@ mod tests {
             "the highest lower-priority policy is the one that would apply"
         );
         assert_eq!(d.desired.definition.get("queue-mode"), Some(&json!("lazy")));
-        assert_eq!(
-            d.desired.definition.get("dead-letter-exchange"),
-            Some(&json!("orders.dlx"))
-        );
+        assert_eq!(d.desired.definition.get("dead-letter-exchange"), Some(&json!("orders.dlx")));
         assert!(!d.desired.definition.contains_key("ha-mode"));
     }
 
@@ -381,24 +290,12 @@ mod tests {
         let same = json!({"x-queue-type": "classic", "x-expires": 600000, "x-dead-letter-exchange": "orders.dlx", "x-dead-letter-routing-key": "orders"});
         assert!(argument_differences(&desired, same.as_object().unwrap()).is_empty());
         let plain = json!({});
-        let diffs =
-            argument_differences(&queue_arguments(&plan_of("{}")), plain.as_object().unwrap());
-        assert!(
-            diffs.is_empty(),
-            "a plainly declared classic queue matches Policy mode: {diffs:?}"
-        );
+        let diffs = argument_differences(&queue_arguments(&plan_of("{}")), plain.as_object().unwrap());
+        assert!(diffs.is_empty(), "a plainly declared classic queue matches Policy mode: {diffs:?}");
         let other = json!({"x-expires": 300000, "x-max-length": 5});
         let diffs = argument_differences(&desired, other.as_object().unwrap());
         let names: Vec<&str> = diffs.iter().map(|d| d.argument.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "x-dead-letter-exchange",
-                "x-dead-letter-routing-key",
-                "x-expires",
-                "x-max-length"
-            ]
-        );
+        assert_eq!(names, ["x-dead-letter-exchange", "x-dead-letter-routing-key", "x-expires", "x-max-length"]);
         assert_eq!(diffs[2].current.as_deref(), Some("300000"));
         assert_eq!(diffs[3].received, None);
     }

@@ -21,12 +21,8 @@ pub enum ConditionType {
 }
 
 impl ConditionType {
-    pub const ALL: [ConditionType; 4] = [
-        Self::Ready,
-        Self::QueueDeclared,
-        Self::DeadLetterReady,
-        Self::SettingsApplied,
-    ];
+    pub const ALL: [ConditionType; 4] =
+        [Self::Ready, Self::QueueDeclared, Self::DeadLetterReady, Self::SettingsApplied];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -118,27 +114,15 @@ pub struct Check {
 
 impl Check {
     pub fn ok(reason: Reason, message: impl Into<String>) -> Self {
-        Self {
-            status: Truth::True,
-            reason,
-            message: message.into(),
-        }
+        Self { status: Truth::True, reason, message: message.into() }
     }
 
     pub fn failed(reason: Reason, message: impl Into<String>) -> Self {
-        Self {
-            status: Truth::False,
-            reason,
-            message: message.into(),
-        }
+        Self { status: Truth::False, reason, message: message.into() }
     }
 
     pub fn unknown(reason: Reason, message: impl Into<String>) -> Self {
-        Self {
-            status: Truth::Unknown,
-            reason,
-            message: message.into(),
-        }
+        Self { status: Truth::Unknown, reason, message: message.into() }
     }
 
     pub fn is_ok(&self) -> bool {
@@ -176,10 +160,7 @@ impl Outcome {
 
     /// Ready is True when every step is; otherwise it carries the first failing step's verdict.
     pub fn ready(&self) -> Check {
-        match [&self.queue, &self.dead_letter, &self.settings]
-            .into_iter()
-            .find(|c| !c.is_ok())
-        {
+        match [&self.queue, &self.dead_letter, &self.settings].into_iter().find(|c| !c.is_ok()) {
             None => Check::ok(Reason::Reconciled, self.summary()),
             Some(first) => Check::failed(first.reason, first.message.clone()),
         }
@@ -190,11 +171,8 @@ impl Outcome {
     }
 
     fn summary(&self) -> String {
-        let mut parts = vec![
-            self.queue.message.clone(),
-            self.dead_letter.message.clone(),
-            self.settings.message.clone(),
-        ];
+        let mut parts =
+            vec![self.queue.message.clone(), self.dead_letter.message.clone(), self.settings.message.clone()];
         parts.retain(|p| !p.is_empty());
         parts.join("; ")
     }
@@ -229,10 +207,7 @@ pub fn next_status(
         queue: outcome.queue_observation.clone().or(old.queue),
         dead_letter: outcome.dead_letter_observation.clone().or(old.dead_letter),
         broker_policy: outcome.broker_policy.clone().or(old.broker_policy),
-        applied_bindings: outcome
-            .applied_bindings
-            .clone()
-            .unwrap_or(old.applied_bindings),
+        applied_bindings: outcome.applied_bindings.clone().unwrap_or(old.applied_bindings),
     }
 }
 
@@ -291,14 +266,8 @@ mod tests {
     fn ready_summarises_when_every_step_is_true() {
         let s = next_status(None, &ok_outcome(), Some(3), at(100));
         let ready = find(&s.conditions, ConditionType::Ready).unwrap();
-        assert_eq!(
-            (ready.status.as_str(), ready.reason.as_str()),
-            ("True", "Reconciled")
-        );
-        assert_eq!(
-            ready.message,
-            "queue orders declared; dead letters go to orders.dlq; policy applied"
-        );
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "Reconciled"));
+        assert_eq!(ready.message, "queue orders declared; dead letters go to orders.dlq; policy applied");
         assert_eq!(ready.observed_generation, Some(3));
         assert_eq!(s.observed_generation, Some(3));
         assert_eq!(s.conditions.len(), 4);
@@ -312,11 +281,7 @@ mod tests {
         let s = next_status(None, &o, Some(1), at(100));
         let ready = find(&s.conditions, ConditionType::Ready).unwrap();
         assert_eq!(
-            (
-                ready.status.as_str(),
-                ready.reason.as_str(),
-                ready.message.as_str()
-            ),
+            (ready.status.as_str(), ready.reason.as_str(), ready.message.as_str()),
             ("False", "ArgumentsConflict", "x-expires differs")
         );
     }
@@ -325,16 +290,8 @@ mod tests {
     fn transition_time_moves_only_when_status_flips() {
         let first = next_status(None, &ok_outcome(), Some(1), at(100));
         let same = next_status(Some(&first), &ok_outcome(), Some(2), at(200));
-        assert!(
-            same.conditions
-                .iter()
-                .all(|c| c.last_transition_time == Time(at(100)))
-        );
-        assert!(
-            same.conditions
-                .iter()
-                .all(|c| c.observed_generation == Some(2))
-        );
+        assert!(same.conditions.iter().all(|c| c.last_transition_time == Time(at(100))));
+        assert!(same.conditions.iter().all(|c| c.observed_generation == Some(2)));
         let mut broken = ok_outcome();
         broken.queue = Check::failed(Reason::ArgumentsConflict, "x");
         let flipped = next_status(Some(&same), &broken, Some(2), at(300));
@@ -352,10 +309,7 @@ mod tests {
         assert_eq!(s.queue, first.queue);
         assert_eq!(s.broker_policy, first.broker_policy);
         let q = find(&s.conditions, ConditionType::QueueDeclared).unwrap();
-        assert_eq!(
-            (q.status.as_str(), q.reason.as_str()),
-            ("Unknown", "BrokerUnreachable")
-        );
+        assert_eq!((q.status.as_str(), q.reason.as_str()), ("Unknown", "BrokerUnreachable"));
         let ready = find(&s.conditions, ConditionType::Ready).unwrap();
         assert_eq!(ready.status, "False");
     }

@@ -6,10 +6,7 @@ mod common;
 use common::*;
 use futures::StreamExt;
 use lapin::{
-    options::{
-        BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicRejectOptions,
-        QueueDeclareOptions,
-    },
+    options::{BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicRejectOptions, QueueDeclareOptions},
     types::{AMQPValue, FieldTable},
 };
 use queueguard::{
@@ -35,25 +32,13 @@ async fn policy_mode_puts_every_setting_in_an_operator_policy() {
     assert!(outcome.is_ready(), "{outcome:#?}");
     assert_eq!(outcome.settings.reason, Reason::PolicyApplied);
 
-    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name)))
-        .await
-        .unwrap();
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
     assert_eq!(
-        (
-            q["durable"].clone(),
-            q["auto_delete"].clone(),
-            q["exclusive"].clone()
-        ),
+        (q["durable"].clone(), q["auto_delete"].clone(), q["exclusive"].clone()),
         (json!(true), json!(false), json!(false))
     );
-    assert_eq!(
-        q["arguments"],
-        json!({"x-queue-type": "classic"}),
-        "Policy mode declares only the type"
-    );
-    let pol = mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name)))
-        .await
-        .unwrap();
+    assert_eq!(q["arguments"], json!({"x-queue-type": "classic"}), "Policy mode declares only the type");
+    let pol = mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name))).await.unwrap();
     assert_eq!(pol["apply-to"], json!("queues"));
     assert_eq!(
         pol["definition"],
@@ -62,52 +47,23 @@ async fn policy_mode_puts_every_setting_in_an_operator_policy() {
     );
     // The broker reports the effective policy with its next statistics emission.
     let effective = eventually(Duration::from_secs(12), || async {
-        mgmt_get(&format!("queues/%2F/{}", enc(&name)))
-            .await
-            .is_some_and(|q| q["policy"] == json!(plan.policy_name))
+        mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.is_some_and(|q| q["policy"] == json!(plan.policy_name))
     })
     .await;
     assert!(effective, "the queue's effective policy is the operator's");
-    let bindings = mgmt_get(&format!("queues/%2F/{}/bindings", enc(&name)))
-        .await
-        .unwrap();
+    let bindings = mgmt_get(&format!("queues/%2F/{}/bindings", enc(&name))).await.unwrap();
     assert!(
-        bindings
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|b| b["source"] == "amq.topic" && b["routing_key"] == "orders.*"),
+        bindings.as_array().unwrap().iter().any(|b| b["source"] == "amq.topic" && b["routing_key"] == "orders.*"),
         "{bindings}"
     );
-    let dlx = mgmt_get(&format!("exchanges/%2F/{}", enc(&format!("{name}.dlx"))))
-        .await
-        .unwrap();
-    assert_eq!(
-        (dlx["type"].clone(), dlx["durable"].clone()),
-        (json!("direct"), json!(true))
-    );
+    let dlx = mgmt_get(&format!("exchanges/%2F/{}", enc(&format!("{name}.dlx")))).await.unwrap();
+    assert_eq!((dlx["type"].clone(), dlx["durable"].clone()), (json!("direct"), json!(true)));
 
     // Re-applying changes nothing.
-    let again = converge::converge(
-        &plan,
-        &broker,
-        &outcome.applied_bindings.clone().unwrap(),
-        Mode::Declare,
-    )
-    .await;
+    let again = converge::converge(&plan, &broker, &outcome.applied_bindings.clone().unwrap(), Mode::Declare).await;
     assert!(again.is_ready());
-    assert_eq!(
-        mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name)))
-            .await
-            .unwrap(),
-        pol
-    );
-    assert_eq!(
-        mgmt_get(&format!("queues/%2F/{}", enc(&name)))
-            .await
-            .unwrap()["arguments"],
-        q["arguments"]
-    );
+    assert_eq!(mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name))).await.unwrap(), pol);
+    assert_eq!(mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap()["arguments"], q["arguments"]);
 
     remove_all(&plan).await;
 }
@@ -118,69 +74,41 @@ async fn policy_mode_lets_applications_declare_the_queue_plainly() {
     let plan = plan_of(&policy(&name, "{}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
     let (_conn, ch) = app().await;
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
     ch.queue_declare(name.as_str().into(), durable, FieldTable::default())
         .await
         .expect("a plain durable declare is equivalent");
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
     remove_all(&plan).await;
 }
 
 #[tokio::test]
 async fn arguments_mode_declares_x_arguments_and_plain_declares_meet_the_documented_conflict() {
     let name = unique("args-mode");
-    let plan = plan_of(&policy(
-        &name,
-        "{settings: Arguments, expires: 10m, maxLength: 50}",
-    ));
+    let plan = plan_of(&policy(&name, "{settings: Arguments, expires: 10m, maxLength: 50}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     assert!(outcome.is_ready(), "{outcome:#?}");
     assert_eq!(outcome.settings.reason, Reason::ArgumentsApplied);
 
-    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name)))
-        .await
-        .unwrap();
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
     assert_eq!(
         q["arguments"],
         json!({"x-queue-type": "classic", "x-expires": 600000, "x-max-length": 50, "x-dead-letter-exchange": format!("{name}.dlx"), "x-dead-letter-routing-key": name})
     );
     assert!(
-        mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name)))
-            .await
-            .is_none(),
+        mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name))).await.is_none(),
         "no broker policy in Arguments mode"
     );
 
     let (_conn, ch) = app().await;
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    let err = ch
-        .queue_declare(name.as_str().into(), durable, FieldTable::default())
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("inequivalent arg") && err.contains("received none but current is"),
-        "{err}"
-    );
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let err = ch.queue_declare(name.as_str().into(), durable, FieldTable::default()).await.unwrap_err().to_string();
+    assert!(err.contains("inequivalent arg") && err.contains("received none but current is"), "{err}");
     remove_all(&plan).await;
 }
 
@@ -191,47 +119,24 @@ async fn a_message_rejected_without_requeue_lands_in_the_dead_letter_queue() {
         let plan = plan_of(&policy(&name, &format!("{{settings: {settings}}}")));
         let pool = BrokerPool::new(unique("conn"));
         let broker = broker(&pool, &plan);
-        assert!(
-            converge::converge(&plan, &broker, &[], Mode::Declare)
-                .await
-                .is_ready()
-        );
+        assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
         publish(&name, ["poison".to_string()]).await;
         let (_conn, ch) = app().await;
-        let got = ch
-            .basic_get(name.as_str().into(), BasicGetOptions::default())
-            .await
-            .unwrap()
-            .expect("the message");
-        got.delivery
-            .reject(BasicRejectOptions { requeue: false })
-            .await
-            .unwrap();
+        let got = ch.basic_get(name.as_str().into(), BasicGetOptions::default()).await.unwrap().expect("the message");
+        got.delivery.reject(BasicRejectOptions { requeue: false }).await.unwrap();
 
         let dlq = plan.dead_letter_queue.clone();
-        let arrived = eventually(Duration::from_secs(5), || async {
-            counts(&dlq).await == Some((1, 0))
-        })
-        .await;
+        let arrived = eventually(Duration::from_secs(5), || async { counts(&dlq).await == Some((1, 0)) }).await;
         assert!(arrived, "{settings}: the rejected message reaches {dlq}");
-        let dead = ch
-            .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
-            .await
-            .unwrap()
-            .unwrap();
+        let dead = ch.basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
         assert_eq!(dead.delivery.data, b"poison");
         let headers = dead.delivery.properties.headers().clone().unwrap();
         let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
             panic!("x-death header: {headers:?}")
         };
-        let AMQPValue::FieldTable(death) = &deaths.as_slice()[0] else {
-            panic!()
-        };
-        assert_eq!(
-            death.inner().get("reason"),
-            Some(&AMQPValue::LongString("rejected".into()))
-        );
+        let AMQPValue::FieldTable(death) = &deaths.as_slice()[0] else { panic!() };
+        assert_eq!(death.inner().get("reason"), Some(&AMQPValue::LongString("rejected".into())));
         remove_all(&plan).await;
     }
 }
@@ -242,51 +147,28 @@ async fn the_queue_survives_its_last_consumer_while_a_naive_auto_delete_queue_do
     let plan = plan_of(&policy(&name, "{}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
     let naive = unique("naive-auto-delete");
     let (conn, ch) = app().await;
-    let auto_delete = QueueDeclareOptions {
-        auto_delete: true,
-        ..Default::default()
-    };
-    ch.queue_declare(naive.as_str().into(), auto_delete, FieldTable::default())
-        .await
-        .unwrap();
+    let auto_delete = QueueDeclareOptions { auto_delete: true, ..Default::default() };
+    ch.queue_declare(naive.as_str().into(), auto_delete, FieldTable::default()).await.unwrap();
     publish(&name, ["kept".to_string()]).await;
     publish(&naive, ["lost".to_string()]).await;
 
     for queue in [&name, &naive] {
         let consumer = ch
-            .basic_consume(
-                queue.as_str().into(),
-                "last".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
+            .basic_consume(queue.as_str().into(), "last".into(), BasicConsumeOptions::default(), FieldTable::default())
             .await
             .unwrap();
         drop(consumer);
-        ch.basic_cancel("last".into(), BasicCancelOptions::default())
-            .await
-            .unwrap();
+        ch.basic_cancel("last".into(), BasicCancelOptions::default()).await.unwrap();
     }
     let naive_gone = eventually(Duration::from_secs(5), || async { !exists(&naive).await }).await;
-    assert!(
-        naive_gone,
-        "the auto-delete queue is deleted, message and all, the moment its last consumer cancels"
-    );
+    assert!(naive_gone, "the auto-delete queue is deleted, message and all, the moment its last consumer cancels");
     assert!(exists(&name).await, "the guarded queue stays");
     let _ = conn.close(200, "bye".into()).await;
-    assert_eq!(
-        counts(&name).await,
-        Some((1, 0)),
-        "and keeps its message, returned when the consumer's channel closed"
-    );
+    assert_eq!(counts(&name).await, Some((1, 0)), "and keeps its message, returned when the consumer's channel closed");
     remove_all(&plan).await;
 }
 
@@ -296,29 +178,17 @@ async fn a_conflicting_existing_queue_is_reported_and_left_exactly_as_it_was() {
     let (_conn, ch) = app().await;
     let mut args = FieldTable::default();
     args.insert("x-expires".into(), AMQPValue::LongInt(600_000));
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.queue_declare(name.as_str().into(), durable, args)
-        .await
-        .unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(name.as_str().into(), durable, args).await.unwrap();
     publish(&name, (0..5).map(|i| format!("m{i}"))).await;
 
     let pool = BrokerPool::new(unique("conn"));
-    for (queue_yaml, received) in [
-        ("{}", "unset"),
-        ("{settings: Arguments, expires: 30m}", "\"1800000\""),
-    ] {
+    for (queue_yaml, received) in [("{}", "unset"), ("{settings: Arguments, expires: 30m}", "\"1800000\"")] {
         let plan = plan_of(&policy(&name, queue_yaml));
         let broker = broker(&pool, &plan);
         let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
         assert_eq!(outcome.queue.status, Truth::False);
-        assert_eq!(
-            outcome.queue.reason,
-            Reason::ArgumentsConflict,
-            "{outcome:#?}"
-        );
+        assert_eq!(outcome.queue.reason, Reason::ArgumentsConflict, "{outcome:#?}");
         let msg = &outcome.queue.message;
         assert!(
             msg.contains("argument x-expires is \"600000\" on the broker but this policy declares")
@@ -328,28 +198,14 @@ async fn a_conflicting_existing_queue_is_reported_and_left_exactly_as_it_was() {
         assert!(!outcome.is_ready());
         assert_eq!(outcome.settings.reason, Reason::QueueNotDeclared);
     }
-    assert_eq!(
-        counts(&name).await,
-        Some((5, 0)),
-        "every message is still there"
-    );
-    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name)))
-        .await
-        .unwrap();
-    assert_eq!(
-        q["arguments"],
-        json!({"x-expires": 600000}),
-        "the queue was not re-created"
-    );
+    assert_eq!(counts(&name).await, Some((5, 0)), "every message is still there");
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
+    assert_eq!(q["arguments"], json!({"x-expires": 600000}), "the queue was not re-created");
 
     // The shared connection is still good for other policies.
     let other = plan_of(&policy(&unique("after-conflict"), "{}"));
     let broker = broker(&pool, &other);
-    assert!(
-        converge::converge(&other, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&other, &broker, &[], Mode::Declare).await.is_ready());
     assert_eq!(pool.connections_opened(), 1);
     remove_all(&other).await;
     remove_all(&plan_of(&policy(&name, "{}"))).await;
@@ -361,39 +217,23 @@ async fn a_user_policy_that_shadows_the_operator_is_reported_and_left_alone() {
     let user_policy = unique("user-policy");
     let body = json!({"pattern": format!("^{}$", regex::escape(&name)), "apply-to": "queues", "priority": 500, "definition": {"max-length": 7}});
     mgmt_put(&format!("policies/%2F/{}", enc(&user_policy)), body).await;
-    let before = mgmt_get(&format!("policies/%2F/{}", enc(&user_policy)))
-        .await
-        .unwrap();
+    let before = mgmt_get(&format!("policies/%2F/{}", enc(&user_policy))).await.unwrap();
 
     let plan = plan_of(&policy(&name, "{}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
-    assert_eq!(
-        outcome.settings.reason,
-        Reason::PolicyShadowed,
-        "{outcome:#?}"
-    );
-    assert!(
-        outcome.settings.message.contains(&user_policy)
-            && outcome.settings.message.contains("priority 500")
-    );
+    assert_eq!(outcome.settings.reason, Reason::PolicyShadowed, "{outcome:#?}");
+    assert!(outcome.settings.message.contains(&user_policy) && outcome.settings.message.contains("priority 500"));
     assert!(!outcome.is_ready());
     assert_eq!(
-        mgmt_get(&format!("policies/%2F/{}", enc(&user_policy)))
-            .await
-            .unwrap(),
+        mgmt_get(&format!("policies/%2F/{}", enc(&user_policy))).await.unwrap(),
         before,
         "the user's policy is untouched"
     );
 
     mgmt_delete(&format!("policies/%2F/{}", enc(&user_policy))).await;
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready(),
-        "ready once the shadow is gone"
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "ready once the shadow is gone");
     remove_all(&plan).await;
 }
 
@@ -403,21 +243,11 @@ async fn changing_a_setting_updates_the_policy_in_place() {
     let pool = BrokerPool::new(unique("conn"));
     let first = plan_of(&policy(&name, "{expires: 10m}"));
     let broker = broker(&pool, &first);
-    assert!(
-        converge::converge(&first, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&first, &broker, &[], Mode::Declare).await.is_ready());
     let second = plan_of(&policy(&name, "{expires: 20m, messageTtl: 5m}"));
-    assert!(
-        converge::converge(&second, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&second, &broker, &[], Mode::Declare).await.is_ready());
 
-    let pol = mgmt_get(&format!("policies/%2F/{}", enc(&first.policy_name)))
-        .await
-        .unwrap();
+    let pol = mgmt_get(&format!("policies/%2F/{}", enc(&first.policy_name))).await.unwrap();
     assert_eq!(pol["definition"]["expires"], json!(1_200_000));
     assert_eq!(pol["definition"]["message-ttl"], json!(300_000));
     let all = mgmt_get("policies/%2F").await.unwrap();
@@ -425,12 +255,7 @@ async fn changing_a_setting_updates_the_policy_in_place() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|p| {
-            p["pattern"]
-                .as_str()
-                .unwrap()
-                .contains(&regex::escape(&name))
-        })
+        .filter(|p| p["pattern"].as_str().unwrap().contains(&regex::escape(&name)))
         .collect();
     assert_eq!(ours.len(), 1, "one policy, updated, not a second one");
     remove_all(&second).await;
@@ -442,18 +267,11 @@ async fn bindings_to_missing_exchanges_are_reported_and_removed_bindings_are_unb
     let pool = BrokerPool::new(unique("conn"));
     let missing = plan_of(&policy(
         &name,
-        &format!(
-            "{{bindings: [{{exchange: {}, routingKey: k}}]}}",
-            unique("no-such-exchange")
-        ),
+        &format!("{{bindings: [{{exchange: {}, routingKey: k}}]}}", unique("no-such-exchange")),
     ));
     let broker = broker(&pool, &missing);
     let outcome = converge::converge(&missing, &broker, &[], Mode::Declare).await;
-    assert_eq!(
-        outcome.queue.reason,
-        Reason::ExchangeNotFound,
-        "{outcome:#?}"
-    );
+    assert_eq!(outcome.queue.reason, Reason::ExchangeNotFound, "{outcome:#?}");
     assert!(outcome.queue.message.contains("no exchange"));
 
     let bound = plan_of(&policy(
@@ -463,15 +281,10 @@ async fn bindings_to_missing_exchanges_are_reported_and_removed_bindings_are_unb
     let first = converge::converge(&bound, &broker, &[], Mode::Declare).await;
     assert!(first.is_ready(), "{first:#?}");
     let applied = first.applied_bindings.unwrap();
-    let fewer = plan_of(&policy(
-        &name,
-        "{bindings: [{exchange: amq.direct, routingKey: b}]}",
-    ));
+    let fewer = plan_of(&policy(&name, "{bindings: [{exchange: amq.direct, routingKey: b}]}"));
     let second = converge::converge(&fewer, &broker, &applied, Mode::Declare).await;
     assert_eq!(second.applied_bindings.as_ref().unwrap().len(), 1);
-    let bindings = mgmt_get(&format!("queues/%2F/{}/bindings", enc(&name)))
-        .await
-        .unwrap();
+    let bindings = mgmt_get(&format!("queues/%2F/{}/bindings", enc(&name))).await.unwrap();
     let keys: Vec<&str> = bindings
         .as_array()
         .unwrap()
@@ -494,10 +307,7 @@ async fn keep_alive_true_renews_the_expiry_lease() {
         assert!(outcome.is_ready(), "{outcome:#?}");
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
-    assert!(
-        exists(&name).await,
-        "declares every 0.6 s keep a 2 s queue alive for 4.8 s"
-    );
+    assert!(exists(&name).await, "declares every 0.6 s keep a 2 s queue alive for 4.8 s");
     remove_all(&plan).await;
 }
 
@@ -507,20 +317,13 @@ async fn keep_alive_false_lets_an_unused_queue_expire_on_schedule() {
     let plan = plan_short(&policy(&name, "{expires: 2s, keepAlive: false}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
     let mut last = None;
     for _ in 0..8 {
         tokio::time::sleep(Duration::from_millis(600)).await;
         last = Some(converge::converge(&plan, &broker, &[], Mode::Observe).await);
     }
-    assert!(
-        !exists(&name).await,
-        "observing through the management API does not renew the lease"
-    );
+    assert!(!exists(&name).await, "observing through the management API does not renew the lease");
     let last = last.unwrap();
     assert_eq!(last.queue.reason, Reason::QueueNotFound, "{last:#?}");
     assert!(last.queue.message.contains("keepAlive is false"));
@@ -533,11 +336,7 @@ async fn delete_policy_removes_only_an_empty_unused_queue() {
     let plan = plan_of(&policy_doc(&name, "queue: {}\n  deletionPolicy: Delete"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
     publish(&name, ["keep me".to_string()]).await;
 
     let Cleanup::Blocked(check) = converge::delete(&plan, &broker).await else {
@@ -548,37 +347,22 @@ async fn delete_policy_removes_only_an_empty_unused_queue() {
     assert_eq!(counts(&name).await, Some((1, 0)));
 
     let (_conn, ch) = app().await;
-    let got = ch
-        .basic_get(name.as_str().into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap();
+    let got = ch.basic_get(name.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap();
     assert!(got.is_some());
-    assert!(matches!(
-        converge::delete(&plan, &broker).await,
-        Cleanup::Deleted(_)
-    ));
+    assert!(matches!(converge::delete(&plan, &broker).await, Cleanup::Deleted(_)));
     assert!(!exists(&name).await && !exists(&plan.dead_letter_queue).await);
-    assert!(
-        mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name)))
-            .await
-            .is_none()
-    );
+    assert!(mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name))).await.is_none());
 }
 
 #[tokio::test]
 async fn every_policy_on_a_broker_shares_one_connection() {
     let pool = BrokerPool::new(unique("shared-conn"));
-    let plans: Vec<_> = (0..5)
-        .map(|i| plan_of(&policy(&unique(&format!("shared{i}")), "{}")))
-        .collect();
+    let plans: Vec<_> = (0..5).map(|i| plan_of(&policy(&unique(&format!("shared{i}")), "{}"))).collect();
     let mut handles = Vec::new();
     for plan in plans.clone() {
         let broker = broker(&pool, &plan);
-        handles.push(tokio::spawn(async move {
-            converge::converge(&plan, &broker, &[], Mode::Declare)
-                .await
-                .is_ready()
-        }));
+        handles
+            .push(tokio::spawn(async move { converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready() }));
     }
     for h in handles {
         assert!(h.await.unwrap());
@@ -595,31 +379,19 @@ async fn counts_come_from_the_declare() {
     let plan = plan_of(&policy(&name, "{}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
     publish(&name, (0..3).map(|i| i.to_string())).await;
     let (_conn, ch) = app().await;
     ch.basic_qos(1, Default::default()).await.unwrap();
     let mut consumer = ch
-        .basic_consume(
-            name.as_str().into(),
-            "c".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
+        .basic_consume(name.as_str().into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default())
         .await
         .unwrap();
     let _held = consumer.next().await; // one delivered, not acknowledged
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     let q = outcome.queue_observation.unwrap();
     assert_eq!((q.messages_ready, q.consumers), (Some(2), Some(1)));
-    assert_eq!(
-        outcome.dead_letter_observation.unwrap().messages_ready,
-        Some(0)
-    );
+    assert_eq!(outcome.dead_letter_observation.unwrap().messages_ready, Some(0));
     drop(consumer);
     drop(ch);
     remove_all(&plan).await;

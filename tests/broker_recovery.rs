@@ -17,52 +17,26 @@ async fn an_outage_is_reported_and_recovered_from_without_a_restart() {
     let proxy = Proxy::start(&broker_addr()).await;
     let name = unique("outage");
     let plan = plan_of(&policy(&name, "{}"));
-    let creds = BrokerCredentials {
-        uri: proxy.uri(),
-        management_uri: Some(management_base()),
-        ca_cert: None,
-    };
+    let creds = BrokerCredentials { uri: proxy.uri(), management_uri: Some(management_base()), ca_cert: None };
     let pool = BrokerPool::new(unique("conn"));
     let broker = reconcile::connect(&pool, &plan, &creds).unwrap();
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
     proxy.cut();
     let down = converge::converge(&plan, &broker, &[], Mode::Declare).await;
-    assert_eq!(
-        (down.queue.status, down.queue.reason),
-        (Truth::Unknown, Reason::BrokerUnreachable),
-        "{down:#?}"
-    );
+    assert_eq!((down.queue.status, down.queue.reason), (Truth::Unknown, Reason::BrokerUnreachable), "{down:#?}");
     assert_eq!(down.ready().reason, Reason::BrokerUnreachable);
-    assert!(
-        down.queue
-            .message
-            .contains(&format!("127.0.0.1:{}", proxy.port)),
-        "{}",
-        down.queue.message
-    );
-    assert!(
-        !down.queue.message.contains("guest:guest"),
-        "no credentials in messages"
-    );
+    assert!(down.queue.message.contains(&format!("127.0.0.1:{}", proxy.port)), "{}", down.queue.message);
+    assert!(!down.queue.message.contains("guest:guest"), "no credentials in messages");
     let still_down = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     assert_eq!(still_down.queue.reason, Reason::BrokerUnreachable);
 
     proxy.restore();
     let recovered = eventually(Duration::from_secs(20), || async {
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
+        converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready()
     })
     .await;
-    assert!(
-        recovered,
-        "ready again once the broker is back, within the backoff"
-    );
+    assert!(recovered, "ready again once the broker is back, within the backoff");
     assert_eq!(pool.connections_opened(), 2, "one reconnect");
     remove_all(&plan).await;
 }
@@ -74,20 +48,13 @@ async fn a_connection_force_closed_by_an_administrator_is_replaced() {
     let plan = plan_of(&policy(&name, "{}"));
     let pool = BrokerPool::new(connection_name.clone());
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
     // The management API lists a new connection within its statistics interval.
     let mut closed = false;
     for _ in 0..100 {
         let conns = broker.management.connections().await.unwrap();
-        if let Some(c) = conns
-            .iter()
-            .find(|c| c.connection_name() == Some(connection_name.as_str()))
-        {
+        if let Some(c) = conns.iter().find(|c| c.connection_name() == Some(connection_name.as_str())) {
             broker.management.close_connection(&c.name).await.unwrap();
             closed = true;
             break;
@@ -96,9 +63,7 @@ async fn a_connection_force_closed_by_an_administrator_is_replaced() {
     }
     assert!(closed, "the operator's connection shows up under its name");
     let recovered = eventually(Duration::from_secs(20), || async {
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
+        converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready()
     })
     .await;
     assert!(recovered);
@@ -111,43 +76,29 @@ async fn a_connection_force_closed_by_an_administrator_is_replaced() {
 #[tokio::test]
 async fn a_real_broker_restart_needs_no_operator_restart() {
     if std::env::var("QUEUEGUARD_TEST_BROKER_RESTART").as_deref() != Ok("1") {
-        eprintln!(
-            "skipped: set QUEUEGUARD_TEST_BROKER_RESTART=1 to stop and start the local broker"
-        );
+        eprintln!("skipped: set QUEUEGUARD_TEST_BROKER_RESTART=1 to stop and start the local broker");
         return;
     }
     let name = unique("restart");
     let plan = plan_of(&policy(&name, "{}"));
     let pool = BrokerPool::new(unique("conn"));
     let broker = broker(&pool, &plan);
-    assert!(
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
-    );
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
     rabbitmqctl("stop_app");
     let down = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     assert_eq!(down.ready().reason, Reason::BrokerUnreachable, "{down:#?}");
     rabbitmqctl("start_app");
     let recovered = eventually(Duration::from_secs(60), || async {
-        converge::converge(&plan, &broker, &[], Mode::Declare)
-            .await
-            .is_ready()
+        converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready()
     })
     .await;
     assert!(recovered, "ready again after the broker restarted");
-    assert!(
-        exists(&name).await,
-        "the durable queue survived the restart"
-    );
+    assert!(exists(&name).await, "the durable queue survived the restart");
     remove_all(&plan).await;
 }
 
 fn rabbitmqctl(command: &str) {
-    let status = std::process::Command::new("rabbitmqctl")
-        .arg(command)
-        .status()
-        .expect("rabbitmqctl");
+    let status = std::process::Command::new("rabbitmqctl").arg(command).status().expect("rabbitmqctl");
     assert!(status.success(), "rabbitmqctl {command}");
 }

@@ -27,17 +27,15 @@ async fn tls_terminator() -> (u16, String) {
         .signed_by(&leaf_key, &issuer)
         .unwrap();
 
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![CertificateDer::from(leaf.der().to_vec())],
-        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der())),
-    )
-    .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from(leaf.der().to_vec())],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der())),
+        )
+        .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -66,11 +64,7 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     let plan = plan_of(&policy(&name, "{}"));
     let uri = format!("amqps://guest:guest@127.0.0.1:{port}/%2F");
 
-    let untrusted = BrokerCredentials {
-        uri: uri.clone(),
-        management_uri: Some(management_base()),
-        ca_cert: None,
-    };
+    let untrusted = BrokerCredentials { uri: uri.clone(), management_uri: Some(management_base()), ca_cert: None };
     let pool = BrokerPool::new(unique("conn"));
     let broker = reconcile::connect(&pool, &plan, &untrusted).unwrap();
     let refused = converge::converge(&plan, &broker, &[], Mode::Declare).await;
@@ -81,16 +75,9 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     );
     assert!(!exists(&name).await);
 
-    let trusted = BrokerCredentials {
-        uri,
-        management_uri: Some(management_base()),
-        ca_cert: Some(ca),
-    };
+    let trusted = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: Some(ca) };
     let broker = reconcile::connect(&pool, &plan, &trusted).unwrap();
-    assert_eq!(
-        broker.uri.display(),
-        format!("amqps://127.0.0.1:{port}/%2F")
-    );
+    assert_eq!(broker.uri.display(), format!("amqps://127.0.0.1:{port}/%2F"));
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     assert!(outcome.is_ready(), "{outcome:#?}");
     assert!(exists(&name).await);

@@ -19,12 +19,7 @@ fn queueguard(args: &[&str], stdin: Option<&str>) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.unwrap_or("").as_bytes())
-        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.unwrap_or("").as_bytes()).unwrap();
     child.wait_with_output().unwrap()
 }
 
@@ -36,18 +31,11 @@ fn manifest(name: &str, queue: &str) -> String {
 
 fn statuses(out: &Output) -> Vec<serde_json::Value> {
     let text = String::from_utf8(out.stdout.clone()).unwrap();
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .collect()
+    serde_yaml_ng::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
 }
 
 fn condition<'a>(status: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
-    status["conditions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["type"] == kind)
-        .unwrap()
+    status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == kind).unwrap()
 }
 
 #[test]
@@ -56,12 +44,7 @@ fn apply_declares_and_reports_ready_and_is_idempotent() {
     let input = manifest(&name, "{expires: 45m}");
     for _ in 0..2 {
         let out = queueguard(&["apply", "-f", "-"], Some(&input));
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
         let s = statuses(&out);
         assert_eq!(s.len(), 1);
         assert_eq!(condition(&s[0], "Ready")["status"], "True");
@@ -86,16 +69,9 @@ fn apply_reads_the_broker_from_a_secret_in_the_input_and_files_by_path() {
         management_base()
     );
     std::fs::write(&file, secret + &manifest(&name, "{}")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_queueguard"))
-        .args(["apply", "-f", file.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_queueguard")).args(["apply", "-f", file.to_str().unwrap()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(remove_all(&plan_of(&policy(&name, "{}"))));
 }
@@ -108,10 +84,7 @@ fn invalid_specs_exit_1_with_clear_errors_and_touch_nothing_on_the_broker() {
         manifest(&names[0], "{expires: 30 minutes}"),
         manifest(&names[1], "{expires: 10s}"),
         manifest(&names[2], &format!("{{name: {long}}}")),
-        manifest(
-            &names[3],
-            "{maxLength: 10, overflow: reject-publish-dlx, type: quorum}",
-        ),
+        manifest(&names[3], "{maxLength: 10, overflow: reject-publish-dlx, type: quorum}"),
         manifest("empty-name", "{name: ''}"),
     ]
     .join("---\n");
@@ -122,47 +95,25 @@ fn invalid_specs_exit_1_with_clear_errors_and_touch_nothing_on_the_broker() {
         .iter()
         .map(|st| {
             let ready = condition(st, "Ready");
-            assert_eq!(
-                (ready["status"].as_str(), ready["reason"].as_str()),
-                (Some("False"), Some("InvalidSpec"))
-            );
+            assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("InvalidSpec")));
             ready["message"].as_str().unwrap().to_owned()
         })
         .collect();
-    assert!(
-        messages[0].starts_with("spec.queue.expires: invalid duration \"30 minutes\""),
-        "{}",
-        messages[0]
-    );
+    assert!(messages[0].starts_with("spec.queue.expires: invalid duration \"30 minutes\""), "{}", messages[0]);
     assert_eq!(messages[1], "spec.queue.expires: must be at least 1m");
     assert!(
         messages[2].starts_with("spec.queue.name: queue name") && messages[2].contains("256 bytes"),
         "{}",
         messages[2]
     );
-    assert!(
-        messages[3].contains("quorum queues do not support reject-publish-dlx"),
-        "{}",
-        messages[3]
-    );
-    assert!(
-        messages[4].starts_with("spec.queue.name: must not be empty"),
-        "{}",
-        messages[4]
-    );
+    assert!(messages[3].contains("quorum queues do not support reject-publish-dlx"), "{}", messages[3]);
+    assert!(messages[4].starts_with("spec.queue.name: must not be empty"), "{}", messages[4]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         for name in &names {
             assert!(!exists(name).await, "{name} must not be declared");
             assert!(!exists(&format!("{name}.dlq")).await);
-            assert!(
-                mgmt_get(&format!(
-                    "policies/%2F/{}",
-                    enc(&format!("queueguard.test.{name}"))
-                ))
-                .await
-                .is_none()
-            );
+            assert!(mgmt_get(&format!("policies/%2F/{}", enc(&format!("queueguard.test.{name}")))).await.is_none());
         }
     });
 }
@@ -195,39 +146,23 @@ fn a_secret_without_the_uri_key_is_reported_and_touches_nothing() {
 
 #[test]
 fn unreadable_input_exits_2_naming_document_and_field() {
-    let bad_type = format!(
-        "{}---\n{}",
-        manifest("a", "{}"),
-        manifest("b", "{type: fifo}")
-    );
+    let bad_type = format!("{}---\n{}", manifest("a", "{}"), manifest("b", "{type: fifo}"));
     let out = queueguard(&["apply", "-f", "-"], Some(&bad_type));
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains(
-            "-: document 2: spec.queue.type: unknown variant `fifo`, expected `classic` or `quorum`"
-        ),
+        err.contains("-: document 2: spec.queue.type: unknown variant `fifo`, expected `classic` or `quorum`"),
         "{err}"
     );
 
     let typo = manifest("a", "{expire: 1h}");
     let out = queueguard(&["apply", "-f", "-"], Some(&typo));
     assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .contains("document 1: spec.queue.expire: unknown field")
-    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("document 1: spec.queue.expire: unknown field"));
 
-    let out = queueguard(
-        &["apply", "-f", "-"],
-        Some("kind: QueuePolicy\nspec: [unclosed"),
-    );
+    let out = queueguard(&["apply", "-f", "-"], Some("kind: QueuePolicy\nspec: [unclosed"));
     assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("line 2"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("line 2"), "{}", String::from_utf8_lossy(&out.stderr));
 
     let out = queueguard(&["apply", "-f", "/nonexistent/policy.yaml"], None);
     assert_eq!(out.status.code(), Some(2));
@@ -242,44 +177,25 @@ fn a_conflict_exits_1() {
         let (_c, ch) = app().await;
         let mut args = lapin::types::FieldTable::default();
         args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(3));
-        let durable = lapin::options::QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        ch.queue_declare(name.as_str().into(), durable, args)
-            .await
-            .unwrap();
+        let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+        ch.queue_declare(name.as_str().into(), durable, args).await.unwrap();
     });
     let out = queueguard(&["apply", "-f", "-"], Some(&manifest(&name, "{}")));
     assert_eq!(out.status.code(), Some(1));
     let s = statuses(&out);
-    assert_eq!(
-        condition(&s[0], "QueueDeclared")["reason"],
-        "ArgumentsConflict"
-    );
+    assert_eq!(condition(&s[0], "QueueDeclared")["reason"], "ArgumentsConflict");
     rt.block_on(remove_all(&plan_of(&policy(&name, "{}"))));
 }
 
 #[test]
 fn crd_prints_the_committed_crd_and_help_explains_each_command() {
     let out = queueguard(&["crd"], None);
-    let committed = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/crds/queuepolicy.yaml"
-    ))
-    .unwrap();
+    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/queuepolicy.yaml")).unwrap();
     assert_eq!(String::from_utf8(out.stdout).unwrap(), committed);
     let help = String::from_utf8(queueguard(&["--help"], None).stdout).unwrap();
     for command in ["run", "crd", "apply"] {
-        assert!(
-            help.lines().any(|l| l.trim_start().starts_with(command)),
-            "{command} in {help}"
-        );
+        assert!(help.lines().any(|l| l.trim_start().starts_with(command)), "{command} in {help}");
     }
     let apply_help = String::from_utf8(queueguard(&["apply", "--help"], None).stdout).unwrap();
-    assert!(
-        apply_help.contains("--broker")
-            && apply_help.contains("--management")
-            && apply_help.contains("Exit 0")
-    );
+    assert!(apply_help.contains("--broker") && apply_help.contains("--management") && apply_help.contains("Exit 0"));
 }

@@ -7,16 +7,7 @@ use serde_json::{Value, json};
 
 fn schema() -> Value {
     let crd = QueuePolicy::crd();
-    serde_json::to_value(
-        crd.spec.versions[0]
-            .schema
-            .as_ref()
-            .unwrap()
-            .open_api_v3_schema
-            .as_ref()
-            .unwrap(),
-    )
-    .unwrap()
+    serde_json::to_value(crd.spec.versions[0].schema.as_ref().unwrap().open_api_v3_schema.as_ref().unwrap()).unwrap()
 }
 
 fn policy(spec: Value) -> Value {
@@ -36,11 +27,7 @@ fn with(path: &[&str], value: Value) -> Value {
     let mut spec = base_spec();
     let mut cursor = &mut spec;
     for key in &path[..path.len() - 1] {
-        cursor = cursor
-            .as_object_mut()
-            .unwrap()
-            .entry(key.to_string())
-            .or_insert(json!({}));
+        cursor = cursor.as_object_mut().unwrap().entry(key.to_string()).or_insert(json!({}));
     }
     cursor[path[path.len() - 1]] = value;
     policy(spec)
@@ -56,15 +43,8 @@ fn rejections(object: &Value, old: Option<&Value>) -> Vec<String> {
 
 #[test]
 fn committed_crd_matches_the_generator() {
-    let committed = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/crds/queuepolicy.yaml"
-    ))
-    .unwrap();
-    assert!(
-        committed == crd_yaml(),
-        "crds/queuepolicy.yaml is stale: run `cargo run -- crd > crds/queuepolicy.yaml`"
-    );
+    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/queuepolicy.yaml")).unwrap();
+    assert!(committed == crd_yaml(), "crds/queuepolicy.yaml is stale: run `cargo run -- crd > crds/queuepolicy.yaml`");
 }
 
 #[test]
@@ -87,10 +67,7 @@ fn every_spec_field_is_described_for_kubectl_explain() {
     let s = schema();
     walk("spec", &s["properties"]["spec"], &mut missing);
     walk("status", &s["properties"]["status"], &mut missing);
-    assert!(
-        missing.is_empty(),
-        "fields without a description: {missing:?}"
-    );
+    assert!(missing.is_empty(), "fields without a description: {missing:?}");
 }
 
 #[test]
@@ -98,13 +75,8 @@ fn printer_columns_and_names() {
     let crd = QueuePolicy::crd();
     assert_eq!(crd.spec.names.short_names, Some(vec!["qp".to_string()]));
     let version = &crd.spec.versions[0];
-    let columns: Vec<&str> = version
-        .additional_printer_columns
-        .as_ref()
-        .unwrap()
-        .iter()
-        .map(|c| c.name.as_str())
-        .collect();
+    let columns: Vec<&str> =
+        version.additional_printer_columns.as_ref().unwrap().iter().map(|c| c.name.as_str()).collect();
     assert_eq!(columns, ["Queue", "Type", "Consumers", "Ready", "Age"]);
     assert!(version.subresources.as_ref().unwrap().status.is_some());
     assert_eq!(crd.spec.scope, "Namespaced");
@@ -128,12 +100,7 @@ fn a_plain_policy_is_accepted_with_defaults() {
 fn quorum_queues_refuse_reject_publish_dlx() {
     let spec = json!({"name": "orders", "type": "quorum", "maxLength": 5, "overflow": "reject-publish-dlx"});
     let errs = rejections(&with(&["queue"], spec), None);
-    assert_eq!(
-        errs,
-        [
-            "quorum queues do not support overflow reject-publish-dlx; use reject-publish or drop-head"
-        ]
-    );
+    assert_eq!(errs, ["quorum queues do not support overflow reject-publish-dlx; use reject-publish or drop-head"]);
     let classic = json!({"name": "orders", "type": "classic", "maxLength": 5, "overflow": "reject-publish-dlx"});
     assert!(rejections(&with(&["queue"], classic), None).is_empty());
 }
@@ -146,13 +113,7 @@ fn overflow_needs_max_length() {
 
 #[test]
 fn expires_is_at_least_a_minute() {
-    for (value, accepted) in [
-        ("30m", true),
-        ("1m", true),
-        ("2h", true),
-        ("59s", false),
-        ("500ms", false),
-    ] {
+    for (value, accepted) in [("30m", true), ("1m", true), ("2h", true), ("59s", false), ("500ms", false)] {
         let errs = rejections(&with(&["queue", "expires"], json!(value)), None);
         assert_eq!(errs.is_empty(), accepted, "{value}: {errs:?}");
         if !accepted {
@@ -164,10 +125,7 @@ fn expires_is_at_least_a_minute() {
 #[test]
 fn reserved_queue_names_are_refused() {
     let errs = rejections(&with(&["queue", "name"], json!("amq.orders")), None);
-    assert_eq!(
-        errs,
-        ["queue names starting with 'amq.' are reserved by the broker"]
-    );
+    assert_eq!(errs, ["queue names starting with 'amq.' are reserved by the broker"]);
 }
 
 #[test]
@@ -179,11 +137,7 @@ fn queue_name_vhost_broker_and_type_are_immutable() {
         ["spec.queue.name is immutable: renaming would orphan the old queue and its messages"]
     );
     let unnamed = policy(json!({"broker": {"secretRef": {"name": "rabbitmq"}}, "queue": {}}));
-    assert_eq!(
-        rejections(&unnamed, Some(&old)).len(),
-        1,
-        "dropping the name renames the queue to metadata.name"
-    );
+    assert_eq!(rejections(&unnamed, Some(&old)).len(), 1, "dropping the name renames the queue to metadata.name");
     let vhost = with(&["broker", "vhost"], json!("other"));
     assert_eq!(
         rejections(&vhost, Some(&old)),
@@ -197,28 +151,16 @@ fn queue_name_vhost_broker_and_type_are_immutable() {
         ["spec.queue.type is immutable: the broker cannot convert an existing queue"]
     );
     let ttl = with(&["queue", "expires"], json!("2h"));
-    assert!(
-        rejections(&ttl, Some(&old)).is_empty(),
-        "settings stay changeable"
-    );
+    assert!(rejections(&ttl, Some(&old)).is_empty(), "settings stay changeable");
 }
 
 #[test]
 fn consumers_take_a_name_or_a_selector() {
-    let both = with(
-        &["consumers"],
-        json!({"deployment": "w", "selector": {"matchLabels": {"app": "w"}}}),
-    );
-    assert_eq!(
-        rejections(&both, None),
-        ["set exactly one of consumers.deployment and consumers.selector"]
-    );
+    let both = with(&["consumers"], json!({"deployment": "w", "selector": {"matchLabels": {"app": "w"}}}));
+    assert_eq!(rejections(&both, None), ["set exactly one of consumers.deployment and consumers.selector"]);
     let neither = with(&["consumers"], json!({"minAttached": 1}));
     assert_eq!(rejections(&neither, None).len(), 1);
-    let selector = with(
-        &["consumers"],
-        json!({"selector": {"matchLabels": {"app": "w"}}}),
-    );
+    let selector = with(&["consumers"], json!({"selector": {"matchLabels": {"app": "w"}}}));
     assert!(rejections(&selector, None).is_empty());
 }
 
@@ -226,10 +168,7 @@ fn consumers_take_a_name_or_a_selector() {
 fn schema_constraints_that_are_not_cel() {
     let s = schema();
     let queue = &s["properties"]["spec"]["properties"]["queue"]["properties"];
-    assert_eq!(
-        queue["expires"]["pattern"],
-        json!(queueguard::duration::PATTERN)
-    );
+    assert_eq!(queue["expires"]["pattern"], json!(queueguard::duration::PATTERN));
     assert_eq!(queue["expires"]["default"], json!("30m"));
     assert_eq!(queue["name"]["maxLength"], json!(255));
     assert_eq!(queue["type"]["enum"], json!(["classic", "quorum"]));

@@ -23,11 +23,7 @@ const IDLE_CHANNELS: usize = 8;
 pub enum AmqpError {
     /// No connection: the broker is down, unreachable, or refused the login.
     #[error("cannot connect to {endpoint}: {detail}")]
-    Unreachable {
-        endpoint: String,
-        detail: String,
-        retry_in: Duration,
-    },
+    Unreachable { endpoint: String, detail: String, retry_in: Duration },
     /// The broker refused one operation (a soft error); the connection is fine.
     #[error("{0}")]
     Refused(Refusal),
@@ -54,9 +50,7 @@ impl Backoff {
     }
 
     fn wait(&self, now: Instant) -> Option<Duration> {
-        self.retry_at
-            .and_then(|at| at.checked_duration_since(now))
-            .filter(|d| !d.is_zero())
+        self.retry_at.and_then(|at| at.checked_duration_since(now)).filter(|d| !d.is_zero())
     }
 }
 
@@ -103,19 +97,19 @@ impl AmqpEndpoint {
     /// A live channel, connecting first when needed.
     pub async fn channel(&self) -> Result<PooledChannel<'_>, AmqpError> {
         if let Some(channel) = self.take_idle() {
-            return Ok(PooledChannel {
-                endpoint: self,
-                channel: Some(channel),
-            });
+            return Ok(PooledChannel { endpoint: self, channel: Some(channel) });
         }
         let conn = self.connection().await?;
         match conn.create_channel().await {
-            Ok(channel) => Ok(PooledChannel {
-                endpoint: self,
-                channel: Some(channel),
-            }),
+            Ok(channel) => Ok(PooledChannel { endpoint: self, channel: Some(channel) }),
             Err(e) => Err(self.classify(e)),
         }
+    }
+
+    /// A channel of its own, outside the pool, for a long-lived subscription.
+    pub async fn dedicated_channel(&self) -> Result<Channel, AmqpError> {
+        let conn = self.connection().await?;
+        conn.create_channel().await.map_err(|e| self.classify(e))
     }
 
     fn take_idle(&self) -> Option<Channel> {
@@ -163,32 +157,21 @@ impl AmqpEndpoint {
     }
 
     async fn connect(&self) -> lapin::Result<Connection> {
-        let props = ConnectionProperties::default()
-            .with_connection_name(self.connection_name.clone().into());
-        let tls = OwnedTLSConfig {
-            identity: None,
-            cert_chain: self.ca_cert.clone(),
-        };
+        let props = ConnectionProperties::default().with_connection_name(self.connection_name.clone().into());
+        let tls = OwnedTLSConfig { identity: None, cert_chain: self.ca_cert.clone() };
         let runtime = lapin::runtime::default_runtime()?;
         Connection::connect_uri_with_config(self.uri.amqp().clone(), props, tls, runtime).await
     }
 
     fn unreachable(&self, detail: String, retry_in: Duration) -> AmqpError {
-        AmqpError::Unreachable {
-            endpoint: self.display(),
-            detail,
-            retry_in,
-        }
+        AmqpError::Unreachable { endpoint: self.display(), detail, retry_in }
     }
 
     /// Sorts a lapin error into a refusal (channel closed, connection fine) or unreachability.
     pub fn classify(&self, e: lapin::Error) -> AmqpError {
         match e.kind() {
             ErrorKind::ProtocolError(amqp) if e.is_amqp_soft_error() => {
-                AmqpError::Refused(Refusal {
-                    code: amqp.get_id(),
-                    text: amqp.get_message().to_string(),
-                })
+                AmqpError::Refused(Refusal { code: amqp.get_id(), text: amqp.get_message().to_string() })
             }
             _ => self.unreachable(self.uri.redact(&describe(&e)), Duration::ZERO),
         }
@@ -247,13 +230,8 @@ mod tests {
 
     #[test]
     fn backoff_doubles_up_to_thirty_seconds() {
-        let delays: Vec<u64> = (1..=9)
-            .map(|n| Backoff::delay_after(n).as_millis() as u64)
-            .collect();
-        assert_eq!(
-            delays,
-            [500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]
-        );
+        let delays: Vec<u64> = (1..=9).map(|n| Backoff::delay_after(n).as_millis() as u64).collect();
+        assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]);
     }
 
     #[test]

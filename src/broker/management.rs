@@ -8,7 +8,7 @@ use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use reqwest::{Method, StatusCode};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::{Map, Value};
-use std::time::Duration;
+use std::{collections::HashMap, time::Duration};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -17,11 +17,7 @@ pub enum ManagementError {
     #[error("management API at {endpoint} unreachable: {detail}")]
     Unreachable { endpoint: String, detail: String },
     #[error("management API refused {what}: HTTP {status}: {reason}")]
-    Rejected {
-        what: String,
-        status: u16,
-        reason: String,
-    },
+    Rejected { what: String, status: u16, reason: String },
 }
 
 /// A queue as the management API reports it. Counters are absent until the broker has emitted
@@ -67,12 +63,39 @@ pub struct ConnectionInfo {
     pub client_properties: Map<String, Value>,
 }
 
+/// A consumer as the management API reports it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct ConsumerInfo {
+    pub consumer_tag: String,
+    #[serde(default)]
+    pub prefetch_count: u32,
+    #[serde(default = "yes")]
+    pub ack_required: bool,
+    pub queue: QueueRef,
+    pub channel_details: ChannelDetails,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct QueueRef {
+    pub name: String,
+    pub vhost: String,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct ChannelDetails {
+    pub name: String,
+    #[serde(default)]
+    pub peer_host: Option<String>,
+}
+
 impl ConnectionInfo {
     /// The name the client gave its connection, if any.
     pub fn connection_name(&self) -> Option<&str> {
-        self.client_properties
-            .get("connection_name")
-            .and_then(Value::as_str)
+        self.client_properties.get("connection_name").and_then(Value::as_str)
     }
 }
 
@@ -83,21 +106,14 @@ pub struct ManagementClient {
 }
 
 impl ManagementClient {
-    pub fn new(
-        endpoint: ManagementEndpoint,
-        ca_cert: Option<&str>,
-    ) -> Result<Self, ManagementError> {
+    pub fn new(endpoint: ManagementEndpoint, ca_cert: Option<&str>) -> Result<Self, ManagementError> {
         crate::tls::install_crypto_provider();
-        let mut builder = reqwest::Client::builder()
-            .timeout(TIMEOUT)
-            .connect_timeout(TIMEOUT);
+        let mut builder = reqwest::Client::builder().timeout(TIMEOUT).connect_timeout(TIMEOUT);
         if let Some(pem) = ca_cert {
-            let cert = reqwest::Certificate::from_pem(pem.as_bytes()).map_err(|e| {
-                ManagementError::Rejected {
-                    what: "the CA certificate".into(),
-                    status: 0,
-                    reason: e.to_string(),
-                }
+            let cert = reqwest::Certificate::from_pem(pem.as_bytes()).map_err(|e| ManagementError::Rejected {
+                what: "the CA certificate".into(),
+                status: 0,
+                reason: e.to_string(),
             })?;
             builder = builder.tls_certs_merge([cert]);
         }
@@ -112,70 +128,73 @@ impl ManagementClient {
         self.endpoint.base_url.to_string()
     }
 
-    pub async fn queue(
-        &self,
-        vhost: &str,
-        name: &str,
-    ) -> Result<Option<QueueInfo>, ManagementError> {
+    pub async fn queue(&self, vhost: &str, name: &str) -> Result<Option<QueueInfo>, ManagementError> {
         self.get_opt(&["queues", vhost, name]).await
     }
 
     pub async fn policies(&self, vhost: &str) -> Result<Vec<PolicyInfo>, ManagementError> {
-        Ok(self
-            .get_opt(&["policies", vhost])
-            .await?
-            .unwrap_or_default())
+        Ok(self.get_opt(&["policies", vhost]).await?.unwrap_or_default())
     }
 
-    pub async fn put_policy(
-        &self,
-        vhost: &str,
-        policy: &PolicyInfo,
-    ) -> Result<(), ManagementError> {
+    pub async fn put_policy(&self, vhost: &str, policy: &PolicyInfo) -> Result<(), ManagementError> {
         let body = serde_json::json!({
             "pattern": policy.pattern,
             "apply-to": policy.apply_to,
             "priority": policy.priority,
             "definition": policy.definition,
         });
-        self.send(Method::PUT, &["policies", vhost, &policy.name], Some(body))
-            .await
-            .map(drop)
+        self.send(Method::PUT, &["policies", vhost, &policy.name], Some(body)).await.map(drop)
     }
 
     /// Deletes a policy; a missing one counts as deleted.
     pub async fn delete_policy(&self, vhost: &str, name: &str) -> Result<(), ManagementError> {
-        self.send(Method::DELETE, &["policies", vhost, name], None)
-            .await
-            .map(drop)
+        self.send(Method::DELETE, &["policies", vhost, name], None).await.map(drop)
     }
 
     pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, ManagementError> {
         Ok(self.get_opt(&["connections"]).await?.unwrap_or_default())
     }
 
-    /// Force-closes a client connection, as an administrator would.
-    pub async fn close_connection(&self, name: &str) -> Result<(), ManagementError> {
-        self.send(Method::DELETE, &["connections", name], None)
-            .await
-            .map(drop)
+    /// Every consumer the management user can see, on every vhost.
+    pub async fn consumers(&self) -> Result<Vec<ConsumerInfo>, ManagementError> {
+        Ok(self.get_opt(&["consumers"]).await?.unwrap_or_default())
     }
 
-    async fn get_opt<T: DeserializeOwned>(
-        &self,
-        path: &[&str],
-    ) -> Result<Option<T>, ManagementError> {
-        match self.send(Method::GET, path, None).await? {
+    /// User-provided connection names by connection name (`peer:port -> host:port`).
+    pub async fn connection_names(&self) -> Result<HashMap<String, String>, ManagementError> {
+        let rows: Vec<Value> =
+            self.get_query(&["connections"], "columns=name,user_provided_name").await?.unwrap_or_default();
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some((r.get("name")?.as_str()?.to_owned(), r.get("user_provided_name")?.as_str()?.to_owned()))
+            })
+            .collect())
+    }
+
+    /// Names of the queues of a vhost.
+    pub async fn queue_names(&self, vhost: &str) -> Result<Vec<String>, ManagementError> {
+        let rows: Vec<Value> = self.get_query(&["queues", vhost], "columns=name").await?.unwrap_or_default();
+        Ok(rows.iter().filter_map(|r| r.get("name")?.as_str().map(str::to_owned)).collect())
+    }
+
+    /// Force-closes a client connection, as an administrator would.
+    pub async fn close_connection(&self, name: &str) -> Result<(), ManagementError> {
+        self.send(Method::DELETE, &["connections", name], None).await.map(drop)
+    }
+
+    async fn get_opt<T: DeserializeOwned>(&self, path: &[&str]) -> Result<Option<T>, ManagementError> {
+        self.get_query(path, "").await
+    }
+
+    async fn get_query<T: DeserializeOwned>(&self, path: &[&str], query: &str) -> Result<Option<T>, ManagementError> {
+        match self.send_query(Method::GET, path, query, None).await? {
             None => Ok(None),
-            Some(body) => {
-                serde_json::from_slice(&body)
-                    .map(Some)
-                    .map_err(|e| ManagementError::Rejected {
-                        what: format!("GET {}", describe(path)),
-                        status: 200,
-                        reason: format!("unexpected answer: {e}"),
-                    })
-            }
+            Some(body) => serde_json::from_slice(&body).map(Some).map_err(|e| ManagementError::Rejected {
+                what: format!("GET {}", describe(path)),
+                status: 200,
+                reason: format!("unexpected answer: {e}"),
+            }),
         }
     }
 
@@ -186,45 +205,40 @@ impl ManagementClient {
         path: &[&str],
         body: Option<Value>,
     ) -> Result<Option<Vec<u8>>, ManagementError> {
-        let url = self.url(path);
+        self.send_query(method, path, "", body).await
+    }
+
+    async fn send_query(
+        &self,
+        method: Method,
+        path: &[&str],
+        query: &str,
+        body: Option<Value>,
+    ) -> Result<Option<Vec<u8>>, ManagementError> {
+        let mut url = self.url(path);
+        if !query.is_empty() {
+            url.set_query(Some(query));
+        }
         let what = format!("{method} {}", describe(path));
-        let mut request = self
-            .http
-            .request(method, url)
-            .basic_auth(&self.endpoint.username, Some(&self.endpoint.password));
+        let mut request =
+            self.http.request(method, url).basic_auth(&self.endpoint.username, Some(&self.endpoint.password));
         if let Some(body) = body {
             request = request.json(&body);
         }
-        let unreachable = |detail: String| ManagementError::Unreachable {
-            endpoint: self.display(),
-            detail,
-        };
-        let response = request
-            .send()
-            .await
-            .map_err(|e| unreachable(error_chain(&e)))?;
+        let unreachable = |detail: String| ManagementError::Unreachable { endpoint: self.display(), detail };
+        let response = request.send().await.map_err(|e| unreachable(error_chain(&e)))?;
         let status = response.status();
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| unreachable(error_chain(&e)))?;
+        let bytes = response.bytes().await.map_err(|e| unreachable(error_chain(&e)))?;
         match status {
             s if s.is_success() => Ok(Some(bytes.to_vec())),
             StatusCode::NOT_FOUND => Ok(None),
             s if s.is_server_error() => Err(unreachable(format!("HTTP {s} on {what}"))),
-            s => Err(ManagementError::Rejected {
-                what,
-                status: s.as_u16(),
-                reason: reason_of(&bytes),
-            }),
+            s => Err(ManagementError::Rejected { what, status: s.as_u16(), reason: reason_of(&bytes) }),
         }
     }
 
     fn url(&self, path: &[&str]) -> reqwest::Url {
-        let encoded: Vec<String> = path
-            .iter()
-            .map(|p| utf8_percent_encode(p, NON_ALPHANUMERIC).to_string())
-            .collect();
+        let encoded: Vec<String> = path.iter().map(|p| utf8_percent_encode(p, NON_ALPHANUMERIC).to_string()).collect();
         let mut url = self.endpoint.base_url.clone();
         url.set_path(&format!("{}api/{}", url.path(), encoded.join("/")));
         url
@@ -241,12 +255,7 @@ fn reason_of(body: &[u8]) -> String {
         .ok()
         .and_then(|v| v.get("reason").and_then(Value::as_str).map(str::to_owned))
         .unwrap_or_else(|| String::from_utf8_lossy(body).chars().take(200).collect());
-    reason
-        .replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&quot;", "\"")
-        .trim()
-        .to_owned()
+    reason.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").trim().to_owned()
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -272,19 +281,13 @@ mod tests {
             password: "p".into(),
         };
         let client = ManagementClient::new(endpoint, None).unwrap();
-        assert_eq!(
-            client.url(&["queues", "/", "a.b c"]).as_str(),
-            "http://h:15672/prefix/api/queues/%2F/a%2Eb%20c"
-        );
+        assert_eq!(client.url(&["queues", "/", "a.b c"]).as_str(), "http://h:15672/prefix/api/queues/%2F/a%2Eb%20c");
     }
 
     #[test]
     fn error_reasons_are_unescaped() {
         let body = br#"{"error":"bad_request","reason":"Validation failed\n\n&lt;&lt;\"bogus\"&gt;&gt; is not a valid overflow value\n"}"#;
-        assert_eq!(
-            reason_of(body),
-            "Validation failed\n\n<<\"bogus\">> is not a valid overflow value"
-        );
+        assert_eq!(reason_of(body), "Validation failed\n\n<<\"bogus\">> is not a valid overflow value");
         assert_eq!(reason_of(b"plain text"), "plain text");
     }
 }

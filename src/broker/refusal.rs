@@ -38,11 +38,7 @@ impl Refusal {
         let (argument, rest) = after.split_once('\'')?;
         let rest = rest.split_once("received ")?.1;
         let (received, rest) = rest.split_once(" but current is ")?;
-        Some(Inequivalence {
-            argument: argument.to_owned(),
-            received: value_of(received),
-            current: value_of(rest),
-        })
+        Some(Inequivalence { argument: argument.to_owned(), received: value_of(received), current: value_of(rest) })
     }
 }
 
@@ -60,10 +56,7 @@ fn value_of(s: &str) -> Option<String> {
 
 impl fmt::Display for Inequivalence {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let show = |v: &Option<String>| {
-            v.as_ref()
-                .map_or_else(|| "unset".to_owned(), |v| format!("{v:?}"))
-        };
+        let show = |v: &Option<String>| v.as_ref().map_or_else(|| "unset".to_owned(), |v| format!("{v:?}"));
         write!(
             f,
             "argument {} is {} on the broker but this policy declares {}",
@@ -85,10 +78,7 @@ mod tests {
     use super::*;
 
     fn refusal(text: &str) -> Refusal {
-        Refusal {
-            code: PRECONDITION_FAILED,
-            text: text.into(),
-        }
+        Refusal { code: PRECONDITION_FAILED, text: text.into() }
     }
 
     #[test]
@@ -117,10 +107,7 @@ mod tests {
             "PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue 'q' in vhost 'v': received the value '10' of type 'long' but current is none",
         );
         let i = r.inequivalence().unwrap();
-        assert_eq!(
-            (i.received.as_deref(), i.current.as_deref()),
-            (Some("10"), None)
-        );
+        assert_eq!((i.received.as_deref(), i.current.as_deref()), (Some("10"), None));
         assert!(i.to_string().contains("unset on the broker"));
     }
 
@@ -134,26 +121,16 @@ mod tests {
             "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'x' in vhost '/': received 'direct' but current is 'topic'",
         );
         let i = r.inequivalence().unwrap();
-        assert_eq!(
-            (i.argument.as_str(), i.current.as_deref()),
-            ("type", Some("topic"))
-        );
+        assert_eq!((i.argument.as_str(), i.current.as_deref()), ("type", Some("topic")));
     }
 
     #[test]
     fn other_refusals_are_not_inequivalences() {
         assert!(
-            Refusal {
-                code: NOT_FOUND,
-                text: "NOT_FOUND - no exchange 'e' in vhost '/'".into()
-            }
-            .inequivalence()
-            .is_none()
-        );
-        assert!(
-            refusal("PRECONDITION_FAILED - queue 'q' in vhost '/' not empty")
+            Refusal { code: NOT_FOUND, text: "NOT_FOUND - no exchange 'e' in vhost '/'".into() }
                 .inequivalence()
                 .is_none()
         );
+        assert!(refusal("PRECONDITION_FAILED - queue 'q' in vhost '/' not empty").inequivalence().is_none());
     }
 }

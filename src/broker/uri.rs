@@ -50,35 +50,21 @@ impl BrokerUri {
     /// Parses the Secret's `uri` and optional `managementUri`. Error messages never quote the
     /// input, since it carries a password.
     pub fn parse(uri: &str, management_uri: Option<&str>) -> Result<Self, UriError> {
-        let err = |field, why: &str| UriError {
-            field,
-            why: why.to_owned(),
-        };
+        let err = |field, why: &str| UriError { field, why: why.to_owned() };
         let url = Url::parse(uri.trim()).map_err(|e| err("uri", &format!("not a URI ({e})")))?;
         let scheme = match url.scheme() {
             "amqp" => AMQPScheme::AMQP,
             "amqps" => AMQPScheme::AMQPS,
             other => {
-                return Err(err(
-                    "uri",
-                    &format!("scheme must be amqp or amqps, not {other:?}"),
-                ));
+                return Err(err("uri", &format!("scheme must be amqp or amqps, not {other:?}")));
             }
         };
-        let host = url
-            .host_str()
-            .filter(|h| !h.is_empty())
-            .ok_or_else(|| err("uri", "has no host"))?
-            .to_owned();
+        let host = url.host_str().filter(|h| !h.is_empty()).ok_or_else(|| err("uri", "has no host"))?.to_owned();
         let port = url.port().unwrap_or_else(|| scheme.default_port());
         let username = decode(url.username()).map_err(|_| err("uri", "user name is not UTF-8"))?;
-        let password = decode(url.password().unwrap_or(""))
-            .map_err(|_| err("uri", "password is not UTF-8"))?;
+        let password = decode(url.password().unwrap_or("")).map_err(|_| err("uri", "password is not UTF-8"))?;
         if username.is_empty() {
-            return Err(err(
-                "uri",
-                "has no user name (amqp://user:password@host:port/vhost)",
-            ));
+            return Err(err("uri", "has no user name (amqp://user:password@host:port/vhost)"));
         }
         // `amqp://host` and `amqp://host/` both mean the default vhost, as most clients read them.
         let vhost = match url.path() {
@@ -94,18 +80,12 @@ impl BrokerUri {
         let amqp = AMQPUri {
             scheme: scheme.clone(),
             authority: AMQPAuthority {
-                userinfo: AMQPUserInfo {
-                    username: username.clone(),
-                    password: password.clone(),
-                },
+                userinfo: AMQPUserInfo { username: username.clone(), password: password.clone() },
                 host: host.clone(),
                 port,
             },
             vhost,
-            query: AMQPQueryString {
-                heartbeat,
-                ..Default::default()
-            },
+            query: AMQPQueryString { heartbeat, ..Default::default() },
         };
         let management = match management_uri.map(str::trim).filter(|m| !m.is_empty()) {
             Some(m) => parse_management(m, &username, &password)?,
@@ -115,14 +95,8 @@ impl BrokerUri {
                     AMQPScheme::AMQPS => ("https", 15671),
                 };
                 let base_url = Url::parse(&format!("{scheme}://{}:{port}/", bracket_ipv6(&host)))
-                    .map_err(|e| {
-                    err("uri", &format!("cannot derive the management URI ({e})"))
-                })?;
-                ManagementEndpoint {
-                    base_url,
-                    username,
-                    password,
-                }
+                    .map_err(|e| err("uri", &format!("cannot derive the management URI ({e})")))?;
+                ManagementEndpoint { base_url, username, password }
             }
         };
         Ok(Self { amqp, management })
@@ -157,10 +131,7 @@ impl BrokerUri {
             self.amqp.scheme,
             self.amqp.authority.host,
             self.amqp.authority.port,
-            percent_encoding::utf8_percent_encode(
-                &self.amqp.vhost,
-                percent_encoding::NON_ALPHANUMERIC
-            )
+            percent_encoding::utf8_percent_encode(&self.amqp.vhost, percent_encoding::NON_ALPHANUMERIC)
         )
     }
 
@@ -178,10 +149,7 @@ impl BrokerUri {
     /// messages that quote errors from libraries.
     pub fn redact(&self, text: &str) -> String {
         let mut out = text.to_owned();
-        for secret in [
-            &self.amqp.authority.userinfo.password,
-            &self.management.password,
-        ] {
+        for secret in [&self.amqp.authority.userinfo.password, &self.management.password] {
             if secret.len() >= 3 {
                 out = out.replace(secret.as_str(), "***");
             }
@@ -190,21 +158,11 @@ impl BrokerUri {
     }
 }
 
-fn parse_management(
-    uri: &str,
-    username: &str,
-    password: &str,
-) -> Result<ManagementEndpoint, UriError> {
-    let err = |why: String| UriError {
-        field: "managementUri",
-        why,
-    };
+fn parse_management(uri: &str, username: &str, password: &str) -> Result<ManagementEndpoint, UriError> {
+    let err = |why: String| UriError { field: "managementUri", why };
     let mut url = Url::parse(uri).map_err(|e| err(format!("not a URI ({e})")))?;
     if !matches!(url.scheme(), "http" | "https") {
-        return Err(err(format!(
-            "scheme must be http or https, not {:?}",
-            url.scheme()
-        )));
+        return Err(err(format!("scheme must be http or https, not {:?}", url.scheme())));
     }
     if url.host_str().is_none_or(str::is_empty) {
         return Err(err("has no host".into()));
@@ -213,8 +171,7 @@ fn parse_management(
         (username.to_owned(), password.to_owned())
     } else {
         let user = decode(url.username()).map_err(|_| err("user name is not UTF-8".into()))?;
-        let pass = decode(url.password().unwrap_or(""))
-            .map_err(|_| err("password is not UTF-8".into()))?;
+        let pass = decode(url.password().unwrap_or("")).map_err(|_| err("password is not UTF-8".into()))?;
         (user, pass)
     };
     let _ = url.set_username("");
@@ -224,11 +181,7 @@ fn parse_management(
         url.set_path(&path);
     }
     url.set_query(None);
-    Ok(ManagementEndpoint {
-        base_url: url,
-        username: user,
-        password: pass,
-    })
+    Ok(ManagementEndpoint { base_url: url, username: user, password: pass })
 }
 
 fn decode(s: &str) -> Result<String, std::str::Utf8Error> {
@@ -236,11 +189,7 @@ fn decode(s: &str) -> Result<String, std::str::Utf8Error> {
 }
 
 fn bracket_ipv6(host: &str) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]")
-    } else {
-        host.to_owned()
-    }
+    if host.contains(':') && !host.starts_with('[') { format!("[{host}]") } else { host.to_owned() }
 }
 
 #[cfg(test)]
@@ -253,21 +202,14 @@ mod tests {
         assert_eq!(uri.vhost(), "orders");
         assert_eq!(uri.amqp().authority.host, "rabbit.shop.svc");
         assert_eq!(uri.display(), "amqp://rabbit.shop.svc:5672/orders");
-        assert_eq!(
-            uri.management().base_url.as_str(),
-            "http://rabbit.shop.svc:15672/"
-        );
+        assert_eq!(uri.management().base_url.as_str(), "http://rabbit.shop.svc:15672/");
         assert_eq!(uri.management().username, "app");
         assert_eq!(uri.management().password, "s3cret");
     }
 
     #[test]
     fn ip_hosts_and_default_vhost_forms() {
-        for input in [
-            "amqp://u:p@10.0.0.7",
-            "amqp://u:p@10.0.0.7/",
-            "amqp://u:p@10.0.0.7/%2F",
-        ] {
+        for input in ["amqp://u:p@10.0.0.7", "amqp://u:p@10.0.0.7/", "amqp://u:p@10.0.0.7/%2F"] {
             let uri = BrokerUri::parse(input, None).unwrap();
             assert_eq!(uri.amqp().authority.host, "10.0.0.7", "{input}");
             assert_eq!(uri.amqp().authority.port, 5672);
@@ -280,19 +222,12 @@ mod tests {
         let uri = BrokerUri::parse("amqps://u:p@mq.example.com/v", None).unwrap();
         assert!(uri.is_tls());
         assert_eq!(uri.amqp().authority.port, 5671);
-        assert_eq!(
-            uri.management().base_url.as_str(),
-            "https://mq.example.com:15671/"
-        );
+        assert_eq!(uri.management().base_url.as_str(), "https://mq.example.com:15671/");
     }
 
     #[test]
     fn management_uri_credentials_are_taken_out_of_the_url() {
-        let uri = BrokerUri::parse(
-            "amqp://u:p@h/",
-            Some("https://admin:pw%21@mgmt.example.com:443/rabbit"),
-        )
-        .unwrap();
+        let uri = BrokerUri::parse("amqp://u:p@h/", Some("https://admin:pw%21@mgmt.example.com:443/rabbit")).unwrap();
         let m = uri.management();
         assert_eq!(m.base_url.as_str(), "https://mgmt.example.com/rabbit/");
         assert_eq!((m.username.as_str(), m.password.as_str()), ("admin", "pw!"));
@@ -319,21 +254,11 @@ mod tests {
 
     #[test]
     fn debug_display_and_redact_hide_credentials() {
-        let uri = BrokerUri::parse(
-            "amqp://app:hunter22@h:5672/v",
-            Some("http://admin:mgmtpass@h:15672"),
-        )
-        .unwrap();
+        let uri = BrokerUri::parse("amqp://app:hunter22@h:5672/v", Some("http://admin:mgmtpass@h:15672")).unwrap();
         for shown in [format!("{uri:?}"), uri.display()] {
-            assert!(
-                !shown.contains("hunter22") && !shown.contains("mgmtpass"),
-                "{shown}"
-            );
+            assert!(!shown.contains("hunter22") && !shown.contains("mgmtpass"), "{shown}");
         }
-        assert_eq!(
-            uri.redact("auth failed for hunter22 and mgmtpass"),
-            "auth failed for *** and ***"
-        );
+        assert_eq!(uri.redact("auth failed for hunter22 and mgmtpass"), "auth failed for *** and ***");
     }
 
     #[test]

@@ -23,8 +23,7 @@ use std::{
 };
 
 pub fn broker_uri() -> String {
-    std::env::var("QUEUEGUARD_TEST_BROKER")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2F".into())
+    std::env::var("QUEUEGUARD_TEST_BROKER").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2F".into())
 }
 
 pub fn management_base() -> String {
@@ -34,15 +33,8 @@ pub fn management_base() -> String {
 /// A name no other test (or earlier run) uses.
 pub fn unique(prefix: &str) -> String {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!(
-        "qgt.{prefix}.{}.{nanos:x}.{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    format!("qgt.{prefix}.{}.{nanos:x}.{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
 }
 
 /// A QueuePolicy `test/<name>` whose spec.queue is `queue` (YAML flow mapping).
@@ -64,21 +56,11 @@ pub fn plan_of(policy: &QueuePolicy) -> QueuePlan {
 
 /// Plans with the 1-minute expiry floor lifted, to watch a queue expire within a test.
 pub fn plan_short(policy: &QueuePolicy) -> QueuePlan {
-    plan::plan(
-        policy,
-        Limits {
-            min_expires: Duration::from_millis(100),
-        },
-    )
-    .expect("valid test policy")
+    plan::plan(policy, Limits { min_expires: Duration::from_millis(100) }).expect("valid test policy")
 }
 
 pub fn credentials() -> BrokerCredentials {
-    BrokerCredentials {
-        uri: broker_uri(),
-        management_uri: Some(management_base()),
-        ca_cert: None,
-    }
+    BrokerCredentials { uri: broker_uri(), management_uri: Some(management_base()), ca_cert: None }
 }
 
 pub fn broker(pool: &BrokerPool, plan: &QueuePlan) -> Arc<Broker> {
@@ -87,12 +69,10 @@ pub fn broker(pool: &BrokerPool, plan: &QueuePlan) -> Arc<Broker> {
 
 /// An application's own connection, as a consumer or publisher would have.
 pub async fn app() -> (Connection, Channel) {
-    let conn = Connection::connect(
-        &broker_uri(),
-        ConnectionProperties::default().with_connection_name("qgt-app".into()),
-    )
-    .await
-    .expect("application connection");
+    let conn =
+        Connection::connect(&broker_uri(), ConnectionProperties::default().with_connection_name("qgt-app".into()))
+            .await
+            .expect("application connection");
     let ch = conn.create_channel().await.expect("channel");
     (conn, ch)
 }
@@ -100,9 +80,7 @@ pub async fn app() -> (Connection, Channel) {
 /// Publishes to a queue through the default exchange with publisher confirms.
 pub async fn publish(queue: &str, bodies: impl IntoIterator<Item = String>) {
     let (_conn, ch) = app().await;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     for body in bodies {
         ch.basic_publish(
             "".into(),
@@ -121,10 +99,7 @@ pub async fn publish(queue: &str, bodies: impl IntoIterator<Item = String>) {
 /// Ready messages and consumers, by passive declare; None when the queue does not exist.
 pub async fn counts(queue: &str) -> Option<(u32, u32)> {
     let (_conn, ch) = app().await;
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
     ch.queue_declare(queue.into(), passive, FieldTable::default())
         .await
         .ok()
@@ -133,17 +108,13 @@ pub async fn counts(queue: &str) -> Option<(u32, u32)> {
 
 /// Does the queue exist? Asked through the management API, which does not renew x-expires.
 pub async fn exists(queue: &str) -> bool {
-    mgmt_get(&format!("queues/%2F/{}", enc(queue)))
-        .await
-        .is_some()
+    mgmt_get(&format!("queues/%2F/{}", enc(queue))).await.is_some()
 }
 
 pub async fn delete_queues(names: &[&str]) {
     let (_conn, ch) = app().await;
     for name in names {
-        let _ = ch
-            .queue_delete((*name).into(), QueueDeleteOptions::default())
-            .await;
+        let _ = ch.queue_delete((*name).into(), QueueDeleteOptions::default()).await;
     }
 }
 
@@ -183,11 +154,7 @@ pub async fn mgmt_put(path: &str, body: Value) {
 }
 
 pub async fn mgmt_delete(path: &str) {
-    let _ = http()
-        .delete(format!("{}/api/{path}", management_base()))
-        .basic_auth("guest", Some("guest"))
-        .send()
-        .await;
+    let _ = http().delete(format!("{}/api/{path}", management_base())).basic_auth("guest", Some("guest")).send().await;
 }
 
 /// Polls `check` every 100 ms until it is true or `timeout` passes; returns whether it became true.
@@ -212,12 +179,7 @@ where
 pub async fn remove_all(plan: &QueuePlan) {
     delete_queues(&[&plan.queue, &plan.dead_letter_queue]).await;
     let (_conn, ch) = app().await;
-    let _ = ch
-        .exchange_delete(
-            plan.settings.dead_letter_exchange.as_str().into(),
-            Default::default(),
-        )
-        .await;
+    let _ = ch.exchange_delete(plan.settings.dead_letter_exchange.as_str().into(), Default::default()).await;
     mgmt_delete(&format!("policies/%2F/{}", enc(&plan.policy_name))).await;
 }
 

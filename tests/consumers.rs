@@ -1,0 +1,267 @@
+//! Consumer tracking against the real broker: events, snapshots, the polling fallback, queue
+//! deletion, and the `queueguard consumers` command.
+
+mod common;
+
+use common::*;
+use lapin::{
+    Connection, ConnectionProperties,
+    options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions},
+    types::FieldTable,
+};
+use queueguard::{
+    broker::{BrokerPool, uri::BrokerUri},
+    consumers::{Change, ConsumerTracker, QueueKey, Tracking},
+};
+use serde_json::json;
+use std::{sync::Arc, time::Duration};
+
+fn tracker(uri: &str) -> Arc<ConsumerTracker> {
+    let pool = BrokerPool::new(unique("tracker"));
+    let uri = BrokerUri::parse(uri, Some(&management_base())).unwrap();
+    pool.tracker(&uri, None).unwrap()
+}
+
+async fn declare(name: &str) {
+    let (_c, ch) = app().await;
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(name.into(), durable, FieldTable::default()).await.unwrap();
+}
+
+async fn named_app(connection_name: &str) -> (Connection, lapin::Channel) {
+    let conn = Connection::connect(
+        &broker_uri(),
+        ConnectionProperties::default().with_connection_name(connection_name.into()),
+    )
+    .await
+    .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    (conn, ch)
+}
+
+async fn next_change_on(
+    rx: &mut tokio::sync::broadcast::Receiver<Change>,
+    queue: &QueueKey,
+    within: Duration,
+) -> Option<Change> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let change = tokio::time::timeout_at(deadline, rx.recv()).await.ok()?.ok()?;
+        if change.queue() == queue {
+            return Some(change);
+        }
+    }
+}
+
+#[tokio::test]
+async fn events_report_attach_and_detach_with_peer_connection_prefetch_and_ack_mode() {
+    let t = tracker(&broker_uri());
+    assert!(t.wait_synced(Duration::from_secs(10)).await);
+    assert!(
+        eventually(Duration::from_secs(5), || async { t.tracking() == Tracking::Events }).await,
+        "{:?}",
+        t.tracking()
+    );
+    let name = unique("tracked");
+    declare(&name).await;
+    let key = QueueKey::new("/", &name);
+    let mut rx = t.subscribe();
+
+    let pod = unique("worker-pod");
+    let (conn, ch) = named_app(&pod).await;
+    ch.basic_qos(25, BasicQosOptions::default()).await.unwrap();
+    let started = std::time::Instant::now();
+    let _consumer = ch
+        .basic_consume(name.as_str().into(), "c1".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let Some(Change::Attached { consumer }) = next_change_on(&mut rx, &key, Duration::from_secs(2)).await else {
+        panic!("no attach event within 2 s")
+    };
+    assert!(started.elapsed() < Duration::from_secs(1), "events arrive well before management statistics would");
+    assert_eq!(consumer.tag, "c1");
+    assert_eq!(consumer.peer_host.as_deref(), Some("127.0.0.1"));
+    assert_eq!(consumer.connection_name.as_deref(), Some(pod.as_str()));
+    assert_eq!((consumer.prefetch, consumer.ack_required), (25, true));
+    assert_eq!(t.consumers_on(&key).len(), 1);
+
+    ch.basic_cancel("c1".into(), BasicCancelOptions::default()).await.unwrap();
+    assert!(matches!(next_change_on(&mut rx, &key, Duration::from_secs(2)).await, Some(Change::Detached { .. })));
+    assert!(t.consumers_on(&key).is_empty());
+
+    // A consumer whose connection simply goes away is detached as well.
+    let auto_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let _c2 = ch.basic_consume(name.as_str().into(), "c2".into(), auto_ack, FieldTable::default()).await.unwrap();
+    let Some(Change::Attached { consumer }) = next_change_on(&mut rx, &key, Duration::from_secs(2)).await else {
+        panic!()
+    };
+    assert!(!consumer.ack_required);
+    conn.close(200, "bye".into()).await.unwrap();
+    assert!(matches!(next_change_on(&mut rx, &key, Duration::from_secs(2)).await, Some(Change::Detached { .. })));
+    delete_queues(&[&name]).await;
+}
+
+#[tokio::test]
+async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
+    let name = unique("predates");
+    declare(&name).await;
+    let pod = unique("old-pod");
+    let (_conn, ch) = named_app(&pod).await;
+    let _early = ch
+        .basic_consume(name.as_str().into(), "early".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let key = QueueKey::new("/", &name);
+    // The management API lists a consumer after its statistics interval.
+    let listed = eventually(Duration::from_secs(15), || async {
+        mgmt_get("consumers/%2F").await.unwrap().as_array().unwrap().iter().any(|c| c["queue"]["name"] == json!(name))
+    });
+    assert!(listed.await);
+    let t = tracker(&broker_uri());
+    assert!(t.wait_synced(Duration::from_secs(10)).await);
+    let found = t.consumers_on(&key);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].tag, "early");
+    assert_eq!(found[0].connection_name.as_deref(), Some(pod.as_str()), "named through the connection list");
+    delete_queues(&[&name]).await;
+}
+
+#[tokio::test]
+async fn a_watched_queue_deleted_behind_our_back_is_noticed() {
+    let t = tracker(&broker_uri());
+    assert!(t.wait_synced(Duration::from_secs(10)).await);
+    assert!(eventually(Duration::from_secs(5), || async { t.tracking() == Tracking::Events }).await);
+    let name = unique("deleted");
+    declare(&name).await;
+    let key = QueueKey::new("/", &name);
+    t.watch_queue(key.clone());
+    let mut rx = t.subscribe();
+    let (_c, ch) = app().await;
+    ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    assert!(matches!(next_change_on(&mut rx, &key, Duration::from_secs(2)).await, Some(Change::QueueDeleted { .. })));
+    assert!(t.take_deleted(&key));
+    assert!(!t.take_deleted(&key), "reported once");
+}
+
+/// A broker user that may not read amq.rabbitmq.event: the tracker polls the management API and
+/// says why, and still sees consumers and deletions.
+#[tokio::test]
+async fn without_events_the_tracker_polls_and_says_so() {
+    let user = unique("noevents").replace('.', "-");
+    mgmt_put(&format!("users/{}", enc(&user)), json!({"password": "pw-noevents", "tags": "monitoring"})).await;
+    mgmt_put(
+        &format!("permissions/%2F/{}", enc(&user)),
+        json!({"configure": ".*", "write": ".*", "read": "^(amq\\.gen.*|qgt\\..*)$"}),
+    )
+    .await;
+    let url = {
+        let mut u = url::Url::parse(&broker_uri()).unwrap();
+        u.set_username(&user).unwrap();
+        u.set_password(Some("pw-noevents")).unwrap();
+        u.to_string()
+    };
+    let mgmt = {
+        let mut u = url::Url::parse(&management_base()).unwrap();
+        u.set_username(&user).unwrap();
+        u.set_password(Some("pw-noevents")).unwrap();
+        u.to_string()
+    };
+    let pool = BrokerPool::new(unique("tracker"));
+    let t = pool.tracker(&BrokerUri::parse(&url, Some(&mgmt)).unwrap(), None).unwrap();
+    let polling = eventually(Duration::from_secs(10), || async { matches!(t.tracking(), Tracking::Polling(_)) }).await;
+    assert!(polling, "{:?}", t.tracking());
+    let Tracking::Polling(why) = t.tracking() else { unreachable!() };
+    assert!(why.contains("may not read amq.rabbitmq.event"), "{why}");
+
+    let name = unique("polled");
+    declare(&name).await;
+    let key = QueueKey::new("/", &name);
+    t.watch_queue(key.clone());
+    let (_conn, ch) = app().await;
+    let _p1 = ch
+        .basic_consume(name.as_str().into(), "p1".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let seen = eventually(Duration::from_secs(15), || async { t.consumers_on(&key).len() == 1 }).await;
+    assert!(seen, "polling finds the consumer within the statistics interval plus the polling period");
+    ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    let noticed = eventually(Duration::from_secs(10), || async { t.take_deleted(&key) }).await;
+    assert!(noticed, "the deletion shows up between two snapshots");
+    mgmt_delete(&format!("users/{}", enc(&user))).await;
+}
+
+#[test]
+fn the_consumers_command_lists_and_watches() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let name = unique("cli-consumers");
+    let (_conn, _ch, _listed) = rt.block_on(async {
+        declare(&name).await;
+        let (conn, ch) = named_app("cli-pod-1").await;
+        ch.basic_qos(3, BasicQosOptions::default()).await.unwrap();
+        let c = ch
+            .basic_consume(name.as_str().into(), "listed".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .unwrap();
+        (conn, ch, c)
+    });
+    let bin = env!("CARGO_BIN_EXE_queueguard");
+    let env = [("QUEUEGUARD_BROKER_URI", broker_uri()), ("QUEUEGUARD_MANAGEMENT_URI", management_base())];
+    // The consumer is seen by event only if the tracker subscribed first; the snapshot needs the
+    // statistics interval, so retry for a while.
+    let mut listed = json!([]);
+    for _ in 0..30 {
+        let out = std::process::Command::new(bin)
+            .args(["consumers", &name, "-o", "json"])
+            .envs(env.clone())
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        listed = serde_json::from_slice(&out.stdout).unwrap();
+        if !listed.as_array().unwrap().is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let c = &listed[0];
+    assert_eq!(
+        (c["tag"].as_str(), c["peerHost"].as_str(), c["connectionName"].as_str()),
+        (Some("listed"), Some("127.0.0.1"), Some("cli-pod-1"))
+    );
+    assert_eq!((c["prefetch"].as_u64(), c["ackMode"].as_str()), (Some(3), Some("manual")));
+    let table = std::process::Command::new(bin).args(["consumers", &name]).envs(env.clone()).output().unwrap();
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(text.starts_with("TAG") && text.contains("listed") && text.contains("cli-pod-1"), "{text}");
+
+    let mut watch = std::process::Command::new(bin)
+        .args(["consumers", &name, "--watch", "-o", "json"])
+        .envs(env)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = watch.stdout.take().unwrap();
+    let lines = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout).lines().take(2).collect::<Result<Vec<_>, _>>().unwrap()
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    rt.block_on(async {
+        let (_c2, ch2) = named_app("cli-pod-2").await;
+        let _watched = ch2
+            .basic_consume(
+                name.as_str().into(),
+                "watched".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    });
+    let lines = lines.join().unwrap();
+    let _ = watch.kill();
+    let event: serde_json::Value = serde_json::from_str(&lines[1]).unwrap();
+    assert_eq!(event["event"], "attached", "{lines:?}");
+    assert_eq!(event["consumer"]["tag"], "watched");
+    assert!(event["time"].as_str().unwrap().ends_with('Z'));
+    rt.block_on(delete_queues(&[&name]));
+}
