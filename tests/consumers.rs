@@ -259,6 +259,7 @@ fn the_consumers_command_lists_and_watches() {
     });
     let lines = lines.join().unwrap();
     let _ = watch.kill();
+    let _ = watch.wait();
     let event: serde_json::Value = serde_json::from_str(&lines[1]).unwrap();
     assert_eq!(event["event"], "attached", "{lines:?}");
     assert_eq!(event["consumer"]["tag"], "watched");

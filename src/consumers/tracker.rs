@@ -134,10 +134,10 @@ impl ConsumerTracker {
 
     fn publish(&self, changes: Vec<Change>) {
         for change in changes {
-            if let Change::QueueDeleted { queue } = &change {
-                if lock(&self.watched).contains_key(queue) {
-                    lock(&self.deleted).insert(queue.clone());
-                }
+            if let Change::QueueDeleted { queue } = &change
+                && lock(&self.watched).contains_key(queue)
+            {
+                lock(&self.deleted).insert(queue.clone());
             }
             let _ = self.changes.send(change);
         }
