@@ -110,6 +110,7 @@ pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Bi
         dead_letter_observation,
         broker_policy,
         applied_bindings,
+        gate: None,
     }
 }
 

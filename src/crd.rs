@@ -3,7 +3,7 @@
 //! Serde defaults here mirror the schema defaults the API server applies, so a policy read from a
 //! file in local mode means the same as one read from the cluster.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -356,8 +356,8 @@ pub struct QueuePolicyStatus {
     /// The metadata.generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Ready, QueueDeclared, DeadLetterReady and SettingsApplied, each with a machine-readable
-    /// reason and a human message.
+    /// Ready, QueueDeclared, DeadLetterReady, SettingsApplied and, with spec.consumers,
+    /// ConsumersAttached and RolloutSafe, each with a machine-readable reason and a human message.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The queue as last seen on the broker.
@@ -372,6 +372,70 @@ pub struct QueuePolicyStatus {
     /// Bindings the operator has applied, so bindings removed from the spec are unbound.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub applied_bindings: Vec<Binding>,
+    /// The consumer pods and their attachment (with spec.consumers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<ConsumersObservation>,
+    /// Where the consumer Deployment's rollout stands (with spec.consumers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutObservation>,
+}
+
+/// Consumers of the queue, by pod.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumersObservation {
+    /// Pods whose consumer has been attached for at least minAttachedSeconds.
+    pub attached: i32,
+    /// Replicas of the consumer Deployment(s).
+    pub expected: i32,
+    /// How consumers are seen: Events (rabbitmq_event_exchange), Polling (management API only,
+    /// with the reason), or Unavailable.
+    pub tracking: String,
+    /// Consumers of the queue that belong to no consumer pod (other clients, or NAT addresses:
+    /// see consumers.matchBy).
+    #[serde(default)]
+    pub unmatched: i32,
+    /// Each consumer pod's attachment and gate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<PodAttachment>,
+}
+
+/// One consumer pod.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodAttachment {
+    /// Pod name.
+    pub name: String,
+    /// Whether a consumer from this pod is attached to the queue.
+    pub attached: bool,
+    /// Since when (the oldest of its consumers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
+    /// The readiness gate: Open (condition True), Closed, or NotInstalled (no readinessGate).
+    pub gate: String,
+}
+
+/// The consumer Deployment's rollout as the gate sees it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutObservation {
+    /// Idle, Progressing, WaitingForAttach (a ready pod waits for its consumer), or Stalled (one
+    /// has waited longer than gate.attachTimeout).
+    pub phase: String,
+    /// Pods whose containers are ready but whose consumer has not attached yet.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiting_pods: Vec<WaitingPod>,
+}
+
+/// A pod held back by the gate.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WaitingPod {
+    /// Pod name.
+    pub name: String,
+    /// Since when its containers are ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
 }
 
 /// Queue facts from the broker.

@@ -23,6 +23,8 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
         (ConditionType::QueueDeclared, "DeclareQueue"),
         (ConditionType::DeadLetterReady, "DeclareDeadLetter"),
         (ConditionType::SettingsApplied, "ApplySettings"),
+        (ConditionType::ConsumersAttached, "TrackConsumers"),
+        (ConditionType::RolloutSafe, "GuardRollout"),
     ] {
         let Some(now) = crate::status::find(new, kind) else {
             continue;

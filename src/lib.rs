@@ -20,6 +20,7 @@ pub mod converge;
 pub mod crd;
 pub mod duration;
 pub mod events;
+pub mod gate;
 pub mod local;
 pub mod plan;
 pub mod reconcile;

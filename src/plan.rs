@@ -7,6 +7,7 @@
 use crate::{
     crd::{Binding, ConsumersSpec, DeletionPolicy, Overflow, QueuePolicy, QueueType, SettingsMode},
     duration,
+    gate::GatePlan,
 };
 use std::{fmt, time::Duration};
 
@@ -56,7 +57,8 @@ pub struct QueuePlan {
     pub policy_name: String,
     pub deletion: DeletionPolicy,
     pub secret_name: String,
-    pub attach_timeout: Duration,
+    /// The rollout gate, when spec.consumers names the consumers.
+    pub gate: Option<GatePlan>,
 }
 
 /// One rule a spec breaks, with the field it is about.
@@ -176,7 +178,17 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         bindings,
         deletion: spec.deletion_policy,
         secret_name,
-        attach_timeout,
+        gate: spec.consumers.clone().map(|consumers| GatePlan {
+            mode: spec.gate.mode,
+            failure_policy: spec.gate.failure_policy,
+            attach_timeout,
+            manage_strategy: spec.gate.manage_strategy,
+            pod_disruption_budget: spec.gate.pod_disruption_budget,
+            min_attached: consumers.min_attached,
+            min_attached_for: Duration::from_secs(consumers.min_attached_seconds.max(0) as u64),
+            match_by: consumers.match_by,
+            consumers,
+        }),
     })
 }
 

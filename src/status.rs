@@ -1,7 +1,9 @@
 //! Conditions and status: the vocabulary (condition types, reasons) and the pure function from a
 //! reconcile [`Outcome`] and the previous status to the next one.
 
-use crate::crd::{Binding, DeadLetterObservation, QueueObservation, QueuePolicyStatus};
+use crate::crd::{
+    Binding, ConsumersObservation, DeadLetterObservation, QueueObservation, QueuePolicyStatus, RolloutObservation,
+};
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
     jiff::Timestamp,
@@ -18,6 +20,10 @@ pub enum ConditionType {
     DeadLetterReady,
     /// Expiry, dead-lettering and limits are in effect (by policy or by arguments).
     SettingsApplied,
+    /// At least minAttached consumer pods have a consumer attached.
+    ConsumersAttached,
+    /// Rollouts of the consumer Deployment are gated: safe strategy, readiness gates in place.
+    RolloutSafe,
 }
 
 impl ConditionType {
@@ -30,6 +36,8 @@ impl ConditionType {
             Self::QueueDeclared => "QueueDeclared",
             Self::DeadLetterReady => "DeadLetterReady",
             Self::SettingsApplied => "SettingsApplied",
+            Self::ConsumersAttached => "ConsumersAttached",
+            Self::RolloutSafe => "RolloutSafe",
         }
     }
 }
@@ -57,6 +65,15 @@ pub enum Reason {
     DeletionBlocked,
     QueueDeleted,
     QueueRetained,
+    QueueRecreated,
+    Attached,
+    TooFewAttached,
+    ScaledToZero,
+    RolloutGuarded,
+    StrategyPatched,
+    UnsafeRolloutStrategy,
+    GateNotInstalled,
+    DeploymentNotFound,
 }
 
 impl Reason {
@@ -82,6 +99,15 @@ impl Reason {
             Self::DeletionBlocked => "DeletionBlocked",
             Self::QueueDeleted => "QueueDeleted",
             Self::QueueRetained => "QueueRetained",
+            Self::QueueRecreated => "QueueRecreated",
+            Self::Attached => "Attached",
+            Self::TooFewAttached => "TooFewAttached",
+            Self::ScaledToZero => "ScaledToZero",
+            Self::RolloutGuarded => "RolloutGuarded",
+            Self::StrategyPatched => "StrategyPatched",
+            Self::UnsafeRolloutStrategy => "UnsafeRolloutStrategy",
+            Self::GateNotInstalled => "GateNotInstalled",
+            Self::DeploymentNotFound => "DeploymentNotFound",
         }
     }
 }
@@ -142,6 +168,17 @@ pub struct Outcome {
     pub broker_policy: Option<String>,
     /// None keeps the previous list (nothing was bound or unbound).
     pub applied_bindings: Option<Vec<Binding>>,
+    /// The rollout gate's verdicts, for policies with spec.consumers.
+    pub gate: Option<GateReport>,
+}
+
+/// What the rollout gate reports into status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GateReport {
+    pub consumers_attached: Check,
+    pub rollout_safe: Check,
+    pub consumers: ConsumersObservation,
+    pub rollout: RolloutObservation,
 }
 
 impl Outcome {
@@ -155,19 +192,28 @@ impl Outcome {
             dead_letter_observation: None,
             broker_policy: None,
             applied_bindings: None,
+            gate: None,
         }
     }
 
-    /// Ready is True when every step is; otherwise it carries the first failing step's verdict.
+    /// The checks Ready depends on: the queue side, and a safe rollout when consumers are gated
+    /// (not ConsumersAttached: a rollout or a scale-down is no reason to call the policy broken).
+    fn essentials(&self) -> Vec<&Check> {
+        let mut list = vec![&self.queue, &self.dead_letter, &self.settings];
+        list.extend(self.gate.as_ref().map(|g| &g.rollout_safe));
+        list
+    }
+
+    /// Ready is True when every essential step is; otherwise it carries the first failing one.
     pub fn ready(&self) -> Check {
-        match [&self.queue, &self.dead_letter, &self.settings].into_iter().find(|c| !c.is_ok()) {
+        match self.essentials().into_iter().find(|c| !c.is_ok()) {
             None => Check::ok(Reason::Reconciled, self.summary()),
             Some(first) => Check::failed(first.reason, first.message.clone()),
         }
     }
 
     pub fn is_ready(&self) -> bool {
-        self.queue.is_ok() && self.dead_letter.is_ok() && self.settings.is_ok()
+        self.essentials().iter().all(|c| c.is_ok())
     }
 
     fn summary(&self) -> String {
@@ -178,13 +224,18 @@ impl Outcome {
     }
 
     /// The checks by condition type, Ready first.
-    pub fn checks(&self) -> [(ConditionType, Check); 4] {
-        [
+    pub fn checks(&self) -> Vec<(ConditionType, Check)> {
+        let mut checks = vec![
             (ConditionType::Ready, self.ready()),
             (ConditionType::QueueDeclared, self.queue.clone()),
             (ConditionType::DeadLetterReady, self.dead_letter.clone()),
             (ConditionType::SettingsApplied, self.settings.clone()),
-        ]
+        ];
+        if let Some(g) = &self.gate {
+            checks.push((ConditionType::ConsumersAttached, g.consumers_attached.clone()));
+            checks.push((ConditionType::RolloutSafe, g.rollout_safe.clone()));
+        }
+        checks
     }
 }
 
@@ -208,6 +259,8 @@ pub fn next_status(
         dead_letter: outcome.dead_letter_observation.clone().or(old.dead_letter),
         broker_policy: outcome.broker_policy.clone().or(old.broker_policy),
         applied_bindings: outcome.applied_bindings.clone().unwrap_or(old.applied_bindings),
+        consumers: outcome.gate.as_ref().map(|g| g.consumers.clone()),
+        rollout: outcome.gate.as_ref().map(|g| g.rollout.clone()),
     }
 }
 
@@ -255,6 +308,7 @@ mod tests {
             dead_letter_observation: None,
             broker_policy: Some("queueguard.shop.orders".into()),
             applied_bindings: Some(vec![]),
+            gate: None,
         }
     }
 
