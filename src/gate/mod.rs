@@ -132,10 +132,10 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         let currently_open = current.is_some_and(|c| c.status);
         let waited = pod.containers_ready_since_ms.map(|t| now - t);
         let timed_out = plan.failure_policy == FailurePolicy::Open && waited.is_some_and(|w| w >= timeout_ms);
-        if plan.failure_policy == FailurePolicy::Open {
-            if let Some(ready) = pod.containers_ready_since_ms {
-                soon(ready + timeout_ms);
-            }
+        if plan.failure_policy == FailurePolicy::Open
+            && let Some(ready) = pod.containers_ready_since_ms
+        {
+            soon(ready + timeout_ms);
         }
 
         let desired: Option<(bool, &'static str, String)> = if !live {

@@ -49,10 +49,10 @@ impl PodFacts {
             .and_then(|s| s.pod_ips.as_ref())
             .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect())
             .unwrap_or_default();
-        if let Some(ip) = status.and_then(|s| s.pod_ip.clone()) {
-            if !ips.contains(&ip) {
-                ips.insert(0, ip);
-            }
+        if let Some(ip) = status.and_then(|s| s.pod_ip.clone())
+            && !ips.contains(&ip)
+        {
+            ips.insert(0, ip);
         }
         Self {
             name: pod.metadata.name.clone().unwrap_or_default(),
