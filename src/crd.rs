@@ -135,6 +135,7 @@ pub struct QueueSpec {
     /// What happens when maxLength is reached (x-overflow). Default: the broker's drop-head, which
     /// dead-letters the oldest messages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "optional_overflow")]
     pub overflow: Option<Overflow>,
     /// Dead-letter exchange and queue, declared and bound by the operator.
     #[serde(default)]
@@ -186,6 +187,15 @@ impl SettingsMode {
             Self::Arguments => "Arguments",
         }
     }
+}
+
+/// An optional enum as the API server wants it: nullable, without `null` among the values.
+fn optional_overflow(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["drop-head", "reject-publish", "reject-publish-dlx"],
+        "nullable": true,
+    })
 }
 
 /// Behaviour of a full queue (x-overflow).

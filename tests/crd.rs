@@ -2,7 +2,7 @@
 //! way the API server evaluates them (kube's client-side CEL validator, schema defaults applied).
 
 use kube::{CustomResourceExt, core::cel::Validator};
-use queueguard::crd::{QueuePolicy, crd_yaml};
+use queueguard::crd::{Overflow, QueuePolicy, crd_yaml};
 use serde_json::{Value, json};
 
 fn schema() -> Value {
@@ -174,4 +174,11 @@ fn schema_constraints_that_are_not_cel() {
     assert_eq!(queue["type"]["enum"], json!(["classic", "quorum"]));
     assert_eq!(queue["settings"]["enum"], json!(["Policy", "Arguments"]));
     assert_eq!(queue["keepAlive"]["default"], json!(true));
+    let overflow = &queue["overflow"];
+    assert_eq!(overflow["nullable"], json!(true));
+    let values: Vec<Value> = [Overflow::DropHead, Overflow::RejectPublish, Overflow::RejectPublishDlx]
+        .iter()
+        .map(|o| serde_json::to_value(o).unwrap())
+        .collect();
+    assert_eq!(overflow["enum"], json!(values), "the hand-written schema lists exactly the enum's values, no null");
 }

@@ -38,6 +38,8 @@ impl std::fmt::Debug for BrokerCredentials {
 /// One broker endpoint: its AMQP connection and its management API.
 pub struct Broker {
     pub uri: BrokerUri,
+    /// The CA trusted for this broker (Secret key caCert).
+    pub ca_cert: Option<String>,
     pub amqp: AmqpEndpoint,
     pub management: ManagementClient,
 }
@@ -72,8 +74,8 @@ impl BrokerPool {
             return Ok(broker.clone());
         }
         let management = ManagementClient::new(uri.management().clone(), ca_cert.as_deref())?;
-        let amqp = AmqpEndpoint::new(uri.clone(), ca_cert, self.connection_name.clone());
-        let broker = Arc::new(Broker { uri, amqp, management });
+        let amqp = AmqpEndpoint::new(uri.clone(), ca_cert.clone(), self.connection_name.clone());
+        let broker = Arc::new(Broker { uri, ca_cert, amqp, management });
         endpoints.insert(key, broker.clone());
         Ok(broker)
     }

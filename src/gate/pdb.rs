@@ -10,8 +10,8 @@ use k8s_openapi::{
 };
 use std::collections::BTreeMap;
 
-/// Label on every PDB the operator owns, naming its QueuePolicy.
-pub const POLICY_LABEL: &str = "queueguard.io/policy";
+/// Label on every PDB the operator owns; its owner reference names the QueuePolicy.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "queueguard");
 
 /// The PDB name for a policy and one of its Deployments (a DNS subdomain, at most 253 chars).
 pub fn name(policy: &str, deployment: &str) -> String {
@@ -33,10 +33,7 @@ pub fn desired(
         metadata: ObjectMeta {
             name: Some(name(policy, deployment_name)),
             namespace: deployment.metadata.namespace.clone(),
-            labels: Some(BTreeMap::from([
-                (POLICY_LABEL.to_owned(), policy.to_owned()),
-                ("app.kubernetes.io/managed-by".to_owned(), "queueguard".to_owned()),
-            ])),
+            labels: Some(BTreeMap::from([(MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned())])),
             owner_references: Some(vec![owner]),
             ..Default::default()
         },
@@ -74,7 +71,7 @@ mod tests {
         let pdb = desired("orders", owner, &d, 2).unwrap();
         assert_eq!(pdb.metadata.name.as_deref(), Some("orders-worker"));
         assert_eq!(pdb.metadata.namespace.as_deref(), Some("shop"));
-        assert_eq!(pdb.metadata.labels.as_ref().unwrap()[POLICY_LABEL], "orders");
+        assert_eq!(pdb.metadata.labels.as_ref().unwrap()[MANAGED_BY.0], MANAGED_BY.1);
         let spec = pdb.spec.unwrap();
         assert_eq!(spec.min_available, Some(IntOrString::Int(2)));
         assert_eq!(spec.selector, Some(selector));

@@ -2,9 +2,14 @@
 //! status patches and Events. Decisions come from [`crate::reconcile`], [`crate::status`] and
 //! [`crate::events`]; this module only performs the I/O they call for.
 
+mod gate;
+pub mod triggers;
+
+use self::gate as gate_io;
 use crate::{
     broker::BrokerPool,
     cli::RunArgs,
+    consumers::QueueKey,
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
     events::{self, EventSpec},
@@ -13,7 +18,13 @@ use crate::{
     status::{Check, Outcome, Reason, next_status},
 };
 use futures::StreamExt;
-use k8s_openapi::{api::core::v1::Secret, jiff::Timestamp};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Pod, Secret},
+    },
+    jiff::Timestamp,
+};
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::{Patch, PatchParams},
@@ -22,12 +33,19 @@ use kube::{
         controller::Action,
         events::{Event, EventType, Recorder, Reporter},
         finalizer::{self, Event as Finalizer},
-        predicates, reflector,
+        predicates,
+        reflector::{self, ObjectRef},
         watcher::{self, watcher},
     },
 };
 use serde_json::json;
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+use tokio::sync::mpsc;
+use triggers::Triggers;
 
 pub const FINALIZER: &str = "queueguard.io/cleanup";
 /// The one field manager that owns `.status`.
@@ -42,6 +60,10 @@ pub enum Error {
     DeletionBlocked(String),
     #[error("finalizer: {0}")]
     Finalizer(#[source] Box<finalizer::Error<Error>>),
+    #[error("invalid label selector: {0}")]
+    InvalidSelector(String),
+    #[error("the QueuePolicy has no uid yet")]
+    MissingUid,
 }
 
 impl Error {
@@ -51,6 +73,8 @@ impl Error {
             Self::Kube(_) => "kube",
             Self::DeletionBlocked(_) => "deletion_blocked",
             Self::Finalizer(_) => "finalizer",
+            Self::InvalidSelector(_) => "invalid_selector",
+            Self::MissingUid => "missing_uid",
         }
     }
 }
@@ -61,16 +85,32 @@ pub struct Context {
     pub brokers: BrokerPool,
     pub recorder: Recorder,
     pub limits: Limits,
+    pub triggers: Triggers,
+    trigger_rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>>>,
+    /// The last broker-side outcome per policy, reused by passes that only the gate needs
+    /// (a consumer attached): re-declaring on every consumer event would load the broker for
+    /// nothing and slow the gate down.
+    converged: Mutex<HashMap<ObjectRef<QueuePolicy>, Converged>>,
+}
+
+struct Converged {
+    generation: Option<i64>,
+    at: Instant,
+    outcome: Outcome,
 }
 
 impl Context {
     pub fn new(client: Client, connection_name: &str) -> Self {
         let reporter = Reporter { controller: "queueguard".into(), instance: std::env::var("POD_NAME").ok() };
+        let (triggers, rx) = Triggers::new();
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             brokers: BrokerPool::new(connection_name),
             client,
             limits: Limits::default(),
+            triggers,
+            trigger_rx: Mutex::new(Some(rx)),
+            converged: Mutex::default(),
         }
     }
 }
@@ -78,22 +118,39 @@ impl Context {
 /// Runs the controller until SIGTERM or Ctrl-C.
 pub async fn run(args: RunArgs) -> Result<(), Error> {
     let client = Client::try_default().await?;
-    let policies: Api<QueuePolicy> = match &args.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
+    let (policies, deployments, pods): (Api<QueuePolicy>, Api<Deployment>, Api<Pod>) = match &args.namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
     };
     let ctx = Arc::new(Context::new(client, &args.connection_name));
+    let consumer_changes = ctx.trigger_rx.lock().unwrap_or_else(|p| p.into_inner()).take().expect("taken once");
     tracing::info!(namespace = args.namespace.as_deref().unwrap_or("*"), "starting controller");
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
     // the generation (deletion too); finalizer edits do not, so they are watched as well.
-    let (reader, writer) = reflector::store();
+    let (policy_store, policy_writer) = reflector::store();
     let trigger = watcher(policies, watcher::Config::default().any_semantic())
         .default_backoff()
-        .reflect(writer)
+        .reflect(policy_writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
-    Controller::for_stream(trigger, reader)
+    let (deployment_store, deployment_writer) = reflector::store();
+    let deployment_events = watcher(deployments, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(deployment_writer)
+        .applied_objects();
+    let pod_events = watcher(pods, watcher::Config::default().any_semantic()).default_backoff().applied_objects();
+    let consumer_changes =
+        futures::stream::unfold(consumer_changes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
+    let (by_deployment, by_pod) = (policy_store.clone(), policy_store.clone());
+    Controller::for_stream(trigger, policy_store)
+        .watches_stream(deployment_events, move |d| triggers::policies_for_deployment(&by_deployment, &d))
+        .watches_stream(pod_events, move |p| triggers::policies_for_pod(&by_pod, &deployment_store, &p))
+        .reconcile_on(consumer_changes)
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|result| async move {
@@ -130,28 +187,97 @@ pub fn error_policy(policy: Arc<QueuePolicy>, error: &Error, _ctx: Arc<Context>)
 
 async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let previous = policy.status.as_ref();
+    let generation = policy.metadata.generation;
+    let me = ObjectRef::from_obj(policy);
+    let mut events = Vec::new();
     let planned = plan::plan(policy, ctx.limits);
-    let outcome = match &planned {
-        Err(errors) => Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))),
+    let (mut outcome, broker) = match &planned {
+        Err(errors) => (Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))), None),
         Ok(plan) => match connect(policy, plan, ctx).await? {
-            Err(check) => Outcome::blocked(check),
+            Err(check) => (Outcome::blocked(check), None),
             Ok(broker) => {
-                let mode = reconcile::mode_for(plan, previous, policy.metadata.generation);
-                let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
-                converge::converge(plan, &broker, &bindings, mode).await
+                let queue = QueueKey::new(broker.vhost(), &plan.queue);
+                let tracker =
+                    plan.gate.as_ref().and_then(|_| ctx.brokers.tracker(&broker.uri, broker.ca_cert.clone()).ok());
+                if let Some(t) = &tracker {
+                    ctx.triggers.register(queue.clone(), me.clone(), t);
+                }
+                let deleted = tracker.as_ref().is_some_and(|t| t.take_deleted(&queue));
+                let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| !deleted) {
+                    Some(outcome) => outcome,
+                    None => {
+                        let mode = reconcile::mode_for(plan, previous, generation);
+                        let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
+                        let outcome = converge::converge(plan, &broker, &bindings, mode).await;
+                        remember(ctx, &me, generation, &outcome);
+                        if deleted && mode == converge::Mode::Declare && outcome.queue.is_ok() {
+                            events.push(EventSpec {
+                                warning: true,
+                                reason: Reason::QueueRecreated.as_str().into(),
+                                action: "DeclareQueue",
+                                note: format!(
+                                    "queue '{}' was deleted behind the operator's back and has been declared again",
+                                    plan.queue
+                                ),
+                            });
+                        }
+                        outcome
+                    }
+                };
+                (outcome, Some((broker, tracker)))
             }
         },
     };
-    let status = next_status(previous, &outcome, policy.metadata.generation, Timestamp::now());
+
+    let mut recheck = None;
+    if let Ok(QueuePlan { gate: Some(gate_plan), queue, vhost, .. }) = &planned {
+        let (queue_key, tracker) = match &broker {
+            Some((b, t)) => (
+                QueueKey::new(b.vhost(), queue),
+                t.as_deref().ok_or_else(|| "consumer tracking not started".to_owned()),
+            ),
+            None => (QueueKey::new(vhost.clone().unwrap_or_else(|| "/".into()), queue), Err(outcome.ready().message)),
+        };
+        let pass = gate_io::run(policy, gate_plan, &queue_key, tracker, ctx).await?;
+        outcome.gate = Some(pass.report);
+        events.extend(pass.events);
+        recheck = pass.recheck_after;
+    }
+
+    let status = next_status(previous, &outcome, generation, Timestamp::now());
     write_status(policy, previous, status, ctx).await?;
-    Ok(match reconcile::requeue_after(planned.as_ref().ok(), &outcome) {
-        Some(after) => Action::requeue(after),
-        None => Action::await_change(),
-    })
+    for event in &events {
+        publish(policy, ctx, event).await;
+    }
+    let after = [reconcile::requeue_after(planned.as_ref().ok(), &outcome), recheck].into_iter().flatten().min();
+    Ok(after.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// The broker-side outcome of this generation, if it is fresh enough to skip re-declaring.
+fn recent_outcome(
+    ctx: &Context,
+    me: &ObjectRef<QueuePolicy>,
+    generation: Option<i64>,
+    plan: &QueuePlan,
+) -> Option<Outcome> {
+    let converged = ctx.converged.lock().unwrap_or_else(|p| p.into_inner());
+    let c = converged.get(me)?;
+    let fresh = c.generation == generation
+        && c.outcome.is_ready()
+        && reconcile::requeue_after(Some(plan), &c.outcome).is_some_and(|renew| c.at.elapsed() < renew);
+    fresh.then(|| c.outcome.clone())
+}
+
+fn remember(ctx: &Context, me: &ObjectRef<QueuePolicy>, generation: Option<i64>, outcome: &Outcome) {
+    let mut converged = ctx.converged.lock().unwrap_or_else(|p| p.into_inner());
+    converged.insert(me.clone(), Converged { generation, at: Instant::now(), outcome: outcome.clone() });
 }
 
 /// Deleting a QueuePolicy: Retain leaves everything; Delete removes an empty, unused queue.
 async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
+    let me = ObjectRef::from_obj(policy);
+    ctx.triggers.forget(&me);
+    ctx.converged.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
     let Ok(plan) = plan::plan(policy, ctx.limits) else {
         // Never declared anything from an invalid spec: nothing to clean.
         return Ok(Action::await_change());
