@@ -300,3 +300,177 @@ async fn deleting_with_delete_is_blocked_by_messages_then_completes_once_empty()
     server.await.unwrap();
     assert!(!exists(&name).await);
 }
+
+fn worker_deployment(strategy: Value) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "worker", "namespace": "test", "generation": 1, "uid": "d-uid"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "worker"}}, "strategy": strategy,
+                 "template": {"metadata": {"labels": {"app": "worker"}}, "spec": {"containers": [{"name": "w", "image": "w"}]}}},
+        "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1},
+    })
+}
+
+fn worker_pods(gate: Option<&str>) -> Value {
+    let mut conditions =
+        vec![json!({"type": "ContainersReady", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"})];
+    if let Some(status) = gate {
+        conditions.push(json!({"type": "queueguard.io/consumer-attached", "status": status, "reason": "ConsumerAttached", "lastTransitionTime": "2026-01-01T00:00:05Z"}));
+    }
+    json!({
+        "apiVersion": "v1", "kind": "PodList", "metadata": {},
+        "items": [{
+            "metadata": {"name": "worker-abc-1", "namespace": "test", "uid": "pod-uid-1", "labels": {"app": "worker", "pod-template-hash": "abc"}},
+            "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]},
+            "status": {"podIP": "127.0.0.1", "conditions": conditions},
+        }],
+    })
+}
+
+/// The gate's writes, exactly: the pod condition (strategic merge on pods/status with the UID
+/// precondition), the Deployment strategy, the PDB (server-side apply), then status and Events.
+#[tokio::test]
+async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_it_when_it_leaves() {
+    let name = unique("ctrl-gate");
+    let p = with_finalizer(policy_doc(&name, "queue: {}\n  consumers: {deployment: worker, minAttachedSeconds: 0}"));
+    let (ctx, mut api) = harness();
+    // The tracker runs before the first pass, as it would after the operator's first reconcile.
+    let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
+    let tracker = ctx.brokers.tracker(&uri, None).unwrap();
+    assert!(tracker.wait_synced(Duration::from_secs(10)).await);
+    assert!(
+        eventually(Duration::from_secs(5), || async { tracker.tracking() == queueguard::consumers::Tracking::Events })
+            .await
+    );
+    let plan = plan_of(&p);
+    let pool = queueguard::broker::BrokerPool::new(unique("conn"));
+    assert!(
+        queueguard::converge::converge(&plan, &broker(&pool, &plan), &[], queueguard::converge::Mode::Declare)
+            .await
+            .is_ready()
+    );
+    let (conn, ch) = app().await;
+    let consumer = ch
+        .basic_consume(name.as_str().into(), "worker-ctag".into(), Default::default(), Default::default())
+        .await
+        .unwrap();
+    let key = queueguard::consumers::QueueKey::new("/", &name);
+    assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&key).len() == 1 }).await);
+
+    let echo = serde_json::to_value(&p).unwrap();
+    let n = name.clone();
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        api.expect("GET", "/apis/apps/v1/namespaces/test/deployments/worker")
+            .await
+            .respond(StatusCode::OK, &worker_deployment(json!({"type": "Recreate"})));
+        let list = api.expect("GET", "/api/v1/namespaces/test/pods").await;
+        assert!(list.query.contains("labelSelector=app%3Dworker"), "{}", list.query);
+        list.respond(StatusCode::OK, &worker_pods(None));
+
+        let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
+        assert_eq!(call.content_type, "application/strategic-merge-patch+json");
+        assert_eq!(call.body["metadata"], json!({"uid": "pod-uid-1"}));
+        let conditions = call.body["status"]["conditions"].as_array().unwrap();
+        assert_eq!(conditions.len(), 1, "only the gate condition is written");
+        assert_eq!(
+            (conditions[0]["type"].as_str(), conditions[0]["status"].as_str(), conditions[0]["reason"].as_str()),
+            (Some("queueguard.io/consumer-attached"), Some("True"), Some("ConsumerAttached"))
+        );
+        assert!(conditions[0]["message"].as_str().unwrap().contains("worker-ctag"));
+        call.respond(StatusCode::OK, &worker_pods(Some("True"))["items"][0]);
+
+        let call = api.expect("PATCH", "/apis/apps/v1/namespaces/test/deployments/worker").await;
+        assert_eq!(call.content_type, "application/strategic-merge-patch+json");
+        assert_eq!(
+            call.body,
+            json!({"spec": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}}})
+        );
+        call.respond(StatusCode::OK, &worker_deployment(json!({"type": "RollingUpdate"})));
+
+        let call =
+            api.expect("PATCH", &format!("/apis/policy/v1/namespaces/test/poddisruptionbudgets/{n}-worker")).await;
+        assert_eq!(call.content_type, "application/apply-patch+yaml");
+        assert!(call.query.contains("fieldManager=queueguard") && call.query.contains("force=true"));
+        assert_eq!(call.body["spec"], json!({"minAvailable": 1, "selector": {"matchLabels": {"app": "worker"}}}));
+        let owner = &call.body["metadata"]["ownerReferences"][0];
+        assert_eq!(
+            (owner["kind"].as_str(), owner["name"].as_str(), owner["controller"].as_bool()),
+            (Some("QueuePolicy"), Some(n.as_str()), Some(true))
+        );
+        let pdb = call.body.clone();
+        call.respond(StatusCode::OK, &pdb);
+        let list = api.expect("GET", "/apis/policy/v1/namespaces/test/poddisruptionbudgets").await;
+        assert!(list.query.contains("labelSelector=app.kubernetes.io%2Fmanaged-by%3Dqueueguard"), "{}", list.query);
+        list.respond(
+            StatusCode::OK,
+            &json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudgetList", "metadata": {}, "items": [pdb]}),
+        );
+
+        let (status, call) = api.expect_status_patch(&n).await;
+        assert_eq!(status["consumers"]["attached"], 1);
+        assert_eq!(status["consumers"]["expected"], 1);
+        assert_eq!(status["consumers"]["tracking"], "Events");
+        assert_eq!(status["consumers"]["pods"][0]["gate"], "Open");
+        assert_eq!(status["rollout"]["phase"], "Idle");
+        assert_eq!(condition(&status, "ConsumersAttached")["reason"], "Attached");
+        assert_eq!(condition(&status, "RolloutSafe")["reason"], "RolloutGuarded");
+        assert_eq!(condition(&status, "Ready")["status"], "True");
+        call.respond(StatusCode::OK, &echo);
+        for (reason, kind) in [
+            ("Declared", "Normal"),
+            ("Declared", "Normal"),
+            ("PolicyApplied", "Normal"),
+            ("Attached", "Normal"),
+            ("RolloutGuarded", "Normal"),
+            ("GateOpened", "Normal"),
+            ("StrategyPatched", "Normal"),
+        ] {
+            api.expect_event(reason, kind).await;
+        }
+        (api, status)
+    });
+    run(p.clone(), ctx.clone()).await.unwrap();
+    let (mut api, status) = server.await.unwrap();
+
+    // The consumer leaves: the next pass closes the gate, without re-declaring the queue.
+    drop(consumer);
+    ch.basic_cancel("worker-ctag".into(), Default::default()).await.unwrap();
+    assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&key).is_empty() }).await);
+    let mut p2 = p.clone();
+    p2.status = Some(serde_json::from_value(status).unwrap());
+    let echo = serde_json::to_value(&p2).unwrap();
+    let n = name.clone();
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        api.expect("GET", "/apis/apps/v1/namespaces/test/deployments/worker").await.respond(
+            StatusCode::OK,
+            &worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}})),
+        );
+        api.expect("GET", "/api/v1/namespaces/test/pods").await.respond(StatusCode::OK, &worker_pods(Some("True")));
+        let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
+        let c = &call.body["status"]["conditions"][0];
+        assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("False"), Some("NoConsumer")));
+        call.respond(StatusCode::OK, &worker_pods(Some("False"))["items"][0]);
+        let call =
+            api.expect("PATCH", &format!("/apis/policy/v1/namespaces/test/poddisruptionbudgets/{n}-worker")).await;
+        let pdb = call.body.clone();
+        call.respond(StatusCode::OK, &pdb);
+        api.expect("GET", "/apis/policy/v1/namespaces/test/poddisruptionbudgets").await.respond(
+            StatusCode::OK,
+            &json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudgetList", "metadata": {}, "items": [pdb]}),
+        );
+        let (status, call) = api.expect_status_patch(&n).await;
+        assert_eq!(status["consumers"]["attached"], 0);
+        assert_eq!(condition(&status, "ConsumersAttached")["reason"], "TooFewAttached");
+        assert_eq!(condition(&status, "RolloutSafe")["reason"], "RolloutGuarded");
+        assert_eq!(status["rollout"]["phase"], "WaitingForAttach");
+        call.respond(StatusCode::OK, &echo);
+        api.expect_event("TooFewAttached", "Warning").await;
+        api.expect_event("GateClosed", "Normal").await;
+    });
+    run(p2, ctx).await.unwrap();
+    server.await.unwrap();
+    let _ = conn.close(200, "bye".into()).await;
+    remove_all(&plan).await;
+}

@@ -130,12 +130,18 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         let attached_since = mine.iter().map(|c| c.since_ms).min();
         let current = pod.condition.as_ref();
         let currently_open = current.is_some_and(|c| c.status);
-        let waited = pod.containers_ready_since_ms.map(|t| now - t);
-        let timed_out = plan.failure_policy == FailurePolicy::Open && waited.is_some_and(|w| w >= timeout_ms);
+        // A pod waits for its consumer from when its containers became ready, or from when its
+        // gate last closed (a consumer that left), whichever is later.
+        let wait_start = pod.containers_ready_since_ms.map(|ready| match current {
+            Some(c) if c.status => now,
+            Some(c) => ready.max(c.since_ms),
+            None => ready,
+        });
+        let timed_out = plan.failure_policy == FailurePolicy::Open && wait_start.is_some_and(|w| now - w >= timeout_ms);
         if plan.failure_policy == FailurePolicy::Open
-            && let Some(ready) = pod.containers_ready_since_ms
+            && let Some(start) = wait_start
         {
-            soon(ready + timeout_ms);
+            soon(start + timeout_ms);
         }
 
         let desired: Option<(bool, &'static str, String)> = if !live {
@@ -195,11 +201,9 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
                     pod_patches.push(patch);
                 }
             }
-            if pod.containers_ready_since_ms.is_some() && !open_after {
-                waiting.push(WaitingPod { name: pod.name.clone(), since: pod.containers_ready_since_ms.map(time) });
-                if let Some(ready) = pod.containers_ready_since_ms {
-                    soon(ready + timeout_ms);
-                }
+            if let Some(start) = wait_start.filter(|_| !open_after) {
+                waiting.push(WaitingPod { name: pod.name.clone(), since: Some(time(start)) });
+                soon(start + timeout_ms);
             }
         } else {
             without_gate.push(pod.name.clone());
@@ -260,7 +264,7 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         )
     } else if !strategy_patches.is_empty() {
         Check::ok(
-            Reason::StrategyPatched,
+            Reason::RolloutGuarded,
             "rollout strategy patched to maxUnavailable 0; every consumer pod carries the readiness gate",
         )
     } else {

@@ -224,7 +224,8 @@ fn unsafe_strategies_are_patched_when_managed_else_reported() {
     let d = run(&plan(), std::slice::from_ref(&recreate), &[], &[], Tracking::Events);
     assert_eq!(d.strategy_patches.len(), 1);
     assert_eq!(d.strategy_patches[0].0, "worker");
-    assert_eq!(d.rollout_safe.reason, Reason::StrategyPatched);
+    assert_eq!(d.rollout_safe.reason, Reason::RolloutGuarded);
+    assert!(d.rollout_safe.message.contains("patched"));
     assert!(d.events.iter().any(|e| e.reason == "StrategyPatched"));
     let mut p = plan();
     p.manage_strategy = false;
@@ -314,4 +315,19 @@ fn polling_is_said_in_status() {
     assert!(d.consumers.tracking.starts_with("Polling"));
     assert!(d.consumers_attached.message.contains("polling the management API (plugin missing)"));
     assert!(patch_of(&d, "worker-1").unwrap().attached, "polling data is live enough to gate on");
+}
+
+#[test]
+fn a_pod_whose_consumer_left_waits_from_that_moment_not_from_its_start() {
+    let mut veteran = open(pod(1), NOW - 86_400_000);
+    veteran.containers_ready_since_ms = Some(NOW - 86_400_000);
+    let d = run(&plan(), &[deployment(1)], &[veteran], &[], Tracking::Events);
+    assert_eq!(d.rollout.phase, "WaitingForAttach", "not Stalled: it started waiting just now");
+    assert_eq!(d.rollout.waiting_pods[0].since.as_ref().unwrap().0.as_millisecond(), NOW);
+    let mut closed_long_ago = pod(2);
+    closed_long_ago.containers_ready_since_ms = Some(NOW - 86_400_000);
+    closed_long_ago.condition =
+        Some(GateCondition { status: false, reason: reason::NO_CONSUMER.into(), since_ms: NOW - 700_000 });
+    let d = run(&plan(), &[deployment(1)], &[closed_long_ago], &[], Tracking::Events);
+    assert_eq!(d.rollout.phase, "Stalled");
 }
