@@ -42,6 +42,32 @@ pub enum Command {
     /// List a queue's consumers (tag, peer host, connection name, prefetch, ack mode, since), the
     /// same live view the rollout gate uses; --watch streams attach and detach as JSON lines.
     Consumers(ConsumersArgs),
+    /// Rolling restarts of a simulated consumer Deployment against the broker, twice: guarded by
+    /// queueguard, and with an auto-delete queue and no gate. Prints published, consumed, lost,
+    /// duplicates, queue deletions and the longest gate wait; exit 0 when the guarded run lost
+    /// nothing.
+    Demo(DemoArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Broker URI (amqp[s]://user:pass@host:port/vhost).
+    #[arg(
+        long,
+        env = "QUEUEGUARD_BROKER_URI",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2F"
+    )]
+    pub broker: String,
+    /// Management API URI (default: the broker's host on port 15672, same credentials).
+    #[arg(long, env = "QUEUEGUARD_MANAGEMENT_URI", hide_env_values = true)]
+    pub management: Option<String>,
+    /// Rolling restarts per scenario.
+    #[arg(long, default_value_t = 10)]
+    pub restarts: u32,
+    /// Consumer replicas.
+    #[arg(long, default_value_t = 2)]
+    pub replicas: usize,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -114,6 +140,7 @@ pub fn main() -> ExitCode {
             }
             Command::Apply(args) => apply(args).await,
             Command::Consumers(args) => consumers(args).await,
+            Command::Demo(args) => demo(args).await,
             Command::Run(args) => match controller::run(args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -199,6 +226,36 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
             },
             _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
         }
+    }
+}
+
+async fn demo(args: DemoArgs) -> ExitCode {
+    use crate::simulation::{self, Scenario};
+    let uri = match crate::broker::uri::BrokerUri::parse(&args.broker, args.management.as_deref()) {
+        Ok(uri) => uri,
+        Err(e) => {
+            eprintln!("error: --broker {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut reports = Vec::new();
+    for guarded in [true, false] {
+        let scenario = Scenario::new(guarded, args.replicas, args.restarts);
+        eprintln!("running: {} ({} replicas, {} rolling restarts)", scenario.label(), args.replicas, args.restarts);
+        match simulation::run(&scenario, &uri).await {
+            Ok(report) => reports.push(report),
+            Err(e) => {
+                eprintln!("error: {}: {e}", scenario.label());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    print!("{}", simulation::table(&reports));
+    let guarded = &reports[0];
+    if guarded.lost == 0 && guarded.premature_opens == 0 && guarded.queue_deletions == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

@@ -26,6 +26,7 @@ pub mod plan;
 pub mod reconcile;
 pub mod secret;
 pub mod settings;
+pub mod simulation;
 pub mod status;
 pub mod tls;
 

@@ -1,0 +1,220 @@
+//! One simulated consumer pod: boots, attaches a real consumer, acknowledges messages, and on
+//! termination cancels its consumer, finishes what it holds, and closes.
+
+use crate::{
+    broker::uri::BrokerUri,
+    consumers::tracker::now_ms,
+    gate::pods::{GateCondition, PodFacts},
+};
+use futures::StreamExt;
+use lapin::{
+    Connection, ConnectionProperties,
+    options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicI64, Ordering},
+    },
+    time::Duration,
+};
+use tokio::sync::oneshot;
+
+/// Every message consumed (and acknowledged), by sequence number.
+#[derive(Default)]
+pub struct Tally(Mutex<HashMap<u64, u32>>);
+
+impl Tally {
+    fn record(&self, seq: u64) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()).entry(seq).or_default() += 1;
+    }
+
+    /// (distinct messages, deliveries).
+    pub fn counts(&self) -> (u64, u64) {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        (map.len() as u64, map.values().map(|&n| u64::from(n)).sum())
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    booted_ms: AtomicI64,
+    attached_ms: AtomicI64,
+    finished: AtomicBool,
+}
+
+pub struct PodHandle {
+    pub id: usize,
+    pub name: String,
+    pub revision: u32,
+    pub terminating: bool,
+    gate: Option<GateCondition>,
+    shared: Arc<Shared>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PodHandle {
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        id: usize,
+        revision: u32,
+        uri: &BrokerUri,
+        queue: &str,
+        durable: bool,
+        boot: Duration,
+        attach: Duration,
+        tally: Arc<Tally>,
+    ) -> Self {
+        let name = format!("demo-consumer-{revision}-{id}");
+        let shared = Arc::new(Shared::default());
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(consume(
+            name.clone(),
+            uri.clone(),
+            queue.to_owned(),
+            durable,
+            boot,
+            attach,
+            tally,
+            shared.clone(),
+            stopped,
+        ));
+        Self { id, name, revision, terminating: false, gate: None, shared, stop: Some(stop), task }
+    }
+
+    pub fn booted_ms(&self) -> Option<i64> {
+        Some(self.shared.booted_ms.load(Ordering::SeqCst)).filter(|&t| t > 0)
+    }
+
+    pub fn attached_ms(&self) -> Option<i64> {
+        Some(self.shared.attached_ms.load(Ordering::SeqCst)).filter(|&t| t > 0)
+    }
+
+    pub fn finished(&self) -> bool {
+        self.shared.finished.load(Ordering::SeqCst)
+    }
+
+    /// Ready as the Deployment controller counts it: booted, and with a gate, the gate open.
+    pub fn ready(&self, gated: bool) -> bool {
+        !self.terminating && self.booted_ms().is_some() && (!gated || self.gate.as_ref().is_some_and(|g| g.status))
+    }
+
+    /// The pod as the gate sees it.
+    pub fn facts(&self) -> PodFacts {
+        PodFacts {
+            name: self.name.clone(),
+            uid: self.name.clone(),
+            ips: vec![],
+            has_gate: true,
+            condition: self.gate.clone(),
+            containers_ready_since_ms: self.booted_ms(),
+            deleting: self.terminating,
+        }
+    }
+
+    /// Writes the gate condition; true when this opened it.
+    pub fn set_gate(&mut self, open: bool, reason: &str, now_ms: i64) -> bool {
+        let was_open = self.gate.as_ref().is_some_and(|g| g.status);
+        let since_ms = match &self.gate {
+            Some(g) if g.status == open => g.since_ms,
+            _ => now_ms,
+        };
+        self.gate = Some(GateCondition { status: open, reason: reason.into(), since_ms });
+        open && !was_open
+    }
+
+    /// SIGTERM: the pod stops consuming and shuts down within its grace period.
+    pub fn terminate(&mut self) {
+        self.terminating = true;
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
+    pub async fn stop_and_wait(mut self) {
+        self.terminate();
+        let _ = self.task.await;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn consume(
+    name: String,
+    uri: BrokerUri,
+    queue: String,
+    durable: bool,
+    boot: Duration,
+    attach: Duration,
+    tally: Arc<Tally>,
+    shared: Arc<Shared>,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let finish = |shared: &Shared| shared.finished.store(true, Ordering::SeqCst);
+    tokio::select! {
+        _ = tokio::time::sleep(boot) => {}
+        _ = &mut stopped => return finish(&shared),
+    }
+    shared.booted_ms.store(now_ms(), Ordering::SeqCst);
+    tokio::select! {
+        _ = tokio::time::sleep(attach) => {}
+        _ = &mut stopped => return finish(&shared),
+    }
+    if let Err(e) = attach_and_work(&name, &uri, &queue, durable, &tally, &shared, &mut stopped).await {
+        tracing::warn!(pod = %name, error = %e, "simulated consumer failed");
+    }
+    finish(&shared);
+}
+
+async fn attach_and_work(
+    name: &str,
+    uri: &BrokerUri,
+    queue: &str,
+    durable: bool,
+    tally: &Tally,
+    shared: &Shared,
+    stopped: &mut oneshot::Receiver<()>,
+) -> lapin::Result<()> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    let conn = Connection::connect_uri(uri.amqp().clone(), props).await?;
+    let ch = conn.create_channel().await?;
+    // The application's own declare, at start-up: plain durable under queueguard, auto-delete in
+    // the naive setup of the source article.
+    let options = if durable {
+        QueueDeclareOptions { durable: true, ..Default::default() }
+    } else {
+        QueueDeclareOptions { auto_delete: true, ..Default::default() }
+    };
+    ch.queue_declare(queue.into(), options, FieldTable::default()).await?;
+    ch.basic_qos(10, BasicQosOptions::default()).await?;
+    let mut deliveries =
+        ch.basic_consume(queue.into(), name.into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    shared.attached_ms.store(now_ms(), Ordering::SeqCst);
+    loop {
+        tokio::select! {
+            delivery = deliveries.next() => match delivery {
+                Some(Ok(d)) => {
+                    if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
+                        tally.record(seq);
+                    }
+                    d.ack(BasicAckOptions::default()).await?;
+                }
+                _ => break,
+            },
+            _ = &mut *stopped => break,
+        }
+    }
+    // Graceful shutdown: stop receiving, finish what was already delivered, then leave.
+    ch.basic_cancel(name.into(), BasicCancelOptions::default()).await?;
+    while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await {
+        if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
+            tally.record(seq);
+        }
+        d.ack(BasicAckOptions::default()).await?;
+    }
+    let _ = ch.close(200, "bye".into()).await;
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(())
+}

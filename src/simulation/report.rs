@@ -1,0 +1,85 @@
+//! The numbers a scenario ends with, and the table `queueguard demo` prints.
+
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub scenario: String,
+    pub restarts: u32,
+    /// Messages the broker confirmed.
+    pub published: u64,
+    /// Distinct messages consumed and acknowledged.
+    pub consumed: u64,
+    pub lost: u64,
+    pub duplicates: u64,
+    /// `queue.deleted` events for the queue during the run.
+    pub queue_deletions: u64,
+    /// Longest time a booted pod waited for the gate to open (guarded runs).
+    pub longest_gate_wait: Option<Duration>,
+    /// Gates opened before their pod's consumer attached (must be 0).
+    pub premature_opens: u64,
+}
+
+pub fn table(reports: &[Report]) -> String {
+    let header =
+        ["scenario", "restarts", "published", "consumed", "lost", "duplicates", "queue deletions", "longest gate wait"];
+    let rows: Vec<Vec<String>> = reports
+        .iter()
+        .map(|r| {
+            vec![
+                r.scenario.clone(),
+                r.restarts.to_string(),
+                r.published.to_string(),
+                r.consumed.to_string(),
+                r.lost.to_string(),
+                r.duplicates.to_string(),
+                r.queue_deletions.to_string(),
+                r.longest_gate_wait.map_or_else(|| "-".into(), |d| format!("{:.2}s", d.as_secs_f64())),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| rows.iter().map(|r| r[i].len()).chain([header[i].len()]).max().unwrap_or(0))
+        .collect();
+    let line = |cells: Vec<String>| -> String {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(i, (c, w))| if i == 0 { format!("{c:<w$}") } else { format!("{c:>w$}") })
+            .collect();
+        padded.join("  ") + "\n"
+    };
+    std::iter::once(line(header.iter().map(|s| s.to_string()).collect())).chain(rows.into_iter().map(line)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_lines_up() {
+        let r = Report {
+            scenario: "guarded".into(),
+            restarts: 10,
+            published: 2000,
+            consumed: 2000,
+            lost: 0,
+            duplicates: 3,
+            queue_deletions: 0,
+            longest_gate_wait: Some(Duration::from_millis(850)),
+            premature_opens: 0,
+        };
+        let t = table(&[r.clone(), Report { scenario: "naive".into(), lost: 120, longest_gate_wait: None, ..r }]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "scenario  restarts  published  consumed  lost  duplicates  queue deletions  longest gate wait"
+        );
+        assert_eq!(
+            lines[1],
+            "guarded         10       2000      2000     0           3                0              0.85s"
+        );
+        assert!(lines[2].starts_with("naive ") && lines[2].ends_with("  -"));
+    }
+}
