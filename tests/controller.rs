@@ -474,3 +474,49 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     let _ = conn.close(200, "bye".into()).await;
     remove_all(&plan).await;
 }
+
+/// A managed queue deleted behind the operator's back wakes its policy at once (the
+/// queue.deleted event), and the reconcile declares it again with a Warning Event.
+#[tokio::test]
+async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warning() {
+    let name = unique("ctrl-recreate");
+    let p = with_finalizer(policy(&name, "{}"));
+    let (ctx, mut api) = harness();
+    let mut wakeups = ctx.take_trigger_receiver().unwrap();
+    let echo = serde_json::to_value(&p).unwrap();
+    let n = name.clone();
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        let (status, call) = api.expect_status_patch(&n).await;
+        call.respond(StatusCode::OK, &echo);
+        for reason in ["Declared", "Declared", "PolicyApplied"] {
+            api.expect_event(reason, "Normal").await;
+        }
+        (api, status)
+    });
+    run(p.clone(), ctx.clone()).await.unwrap();
+    let (mut api, status) = server.await.unwrap();
+    let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
+    let tracker = ctx.brokers.tracker(&uri, None).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async { tracker.tracking() == queueguard::consumers::Tracking::Events })
+            .await
+    );
+
+    delete_queues(&[&name]).await;
+    let woken =
+        tokio::time::timeout(Duration::from_secs(5), wakeups.recv()).await.expect("woken by the deletion").unwrap();
+    assert_eq!(woken.name, name);
+
+    let mut p2 = p.clone();
+    p2.status = Some(serde_json::from_value(status).unwrap());
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        let event = api.expect_event("QueueRecreated", "Warning").await;
+        assert!(event["note"].as_str().unwrap().contains("declared again"));
+    });
+    run(p2, ctx).await.unwrap();
+    server.await.unwrap();
+    assert!(exists(&name).await, "declared again");
+    remove_all(&plan_of(&p)).await;
+}

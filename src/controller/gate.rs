@@ -39,10 +39,7 @@ pub async fn run(
         pods.extend(pods_of(&ctx.client, &ns, d).await?);
     }
     let (consumers, tracking) = match tracker {
-        Ok(t) => {
-            t.watch_queue(queue.clone());
-            (t.consumers_on(queue), t.tracking())
-        }
+        Ok(t) => (t.consumers_on(queue), t.tracking()),
         Err(why) => (vec![], Tracking::Unavailable(why)),
     };
     let seen = Observed {

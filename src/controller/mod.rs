@@ -115,6 +115,14 @@ impl Context {
     }
 }
 
+impl Context {
+    /// The stream of policies that broker changes (consumers, queue deletions) wake up; there is
+    /// one receiver, for the controller.
+    pub fn take_trigger_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
+        self.trigger_rx.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
 /// Runs the controller until SIGTERM or Ctrl-C.
 pub async fn run(args: RunArgs) -> Result<(), Error> {
     let client = Client::try_default().await?;
@@ -127,7 +135,7 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
     };
     let ctx = Arc::new(Context::new(client, &args.connection_name));
-    let consumer_changes = ctx.trigger_rx.lock().unwrap_or_else(|p| p.into_inner()).take().expect("taken once");
+    let consumer_changes = ctx.take_trigger_receiver().expect("taken once");
     tracing::info!(namespace = args.namespace.as_deref().unwrap_or("*"), "starting controller");
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
@@ -197,9 +205,11 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             Err(check) => (Outcome::blocked(check), None),
             Ok(broker) => {
                 let queue = QueueKey::new(broker.vhost(), &plan.queue);
-                let tracker =
-                    plan.gate.as_ref().and_then(|_| ctx.brokers.tracker(&broker.uri, broker.ca_cert.clone()).ok());
+                // Every managed queue is watched, gated or not, so a deletion behind the operator's
+                // back is repaired at once.
+                let tracker = ctx.brokers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
                 if let Some(t) = &tracker {
+                    t.watch_queue(queue.clone());
                     ctx.triggers.register(queue.clone(), me.clone(), t);
                 }
                 let deleted = tracker.as_ref().is_some_and(|t| t.take_deleted(&queue));
