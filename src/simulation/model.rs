@@ -85,7 +85,13 @@ mod tests {
         let booting = pods(&[(1, true), (1, true), (2, false)]);
         assert!(next(&booting, 2, 2, fp(1, 0)).is_empty(), "nothing happens until the new pod is Ready");
         let ready = pods(&[(1, true), (1, true), (2, true)]);
-        assert_eq!(next(&ready, 2, 2, fp(1, 0)), [Step::Create { count: 1 }, Step::Terminate { ids: vec![0] }]);
+        assert_eq!(
+            next(&ready, 2, 2, fp(1, 0)),
+            [Step::Terminate { ids: vec![0] }],
+            "at the surge ceiling an old pod goes first"
+        );
+        let replaced = pods(&[(1, true), (2, true)]);
+        assert_eq!(next(&replaced, 2, 2, fp(1, 0)), [Step::Create { count: 1 }]);
     }
 
     #[test]
