@@ -5,8 +5,16 @@ use crate::{
     controller, local,
     plan::Limits,
 };
+use crate::{
+    controller::Error,
+    leader::LeaseConfig,
+    webhook::{
+        certs::SelfSigned,
+        server::{CertSource, Webhook},
+    },
+};
 use clap::{Parser, Subcommand, ValueEnum};
-use std::process::ExitCode;
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -30,8 +38,9 @@ pub enum LogFormat {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run the controller: watch QueuePolicies (in-cluster config or KUBECONFIG), declare their
-    /// queues safely and report status.
+    /// Run the operator (in-cluster config or KUBECONFIG): watch QueuePolicies, declare their
+    /// queues safely, gate rollouts of their consumers and report status; serve /metrics,
+    /// /healthz, /readyz and, when asked, the admission webhook.
     Run(RunArgs),
     /// Print the QueuePolicy CustomResourceDefinition as YAML (what crds/queuepolicy.yaml holds).
     Crd,
@@ -110,6 +119,81 @@ pub struct RunArgs {
     /// Connection name the broker shows for the operator's AMQP connections.
     #[arg(long, env = "QUEUEGUARD_CONNECTION_NAME", default_value = "queueguard")]
     pub connection_name: String,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "QUEUEGUARD_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    /// Run the controller only while holding a coordination.k8s.io Lease, so that of several
+    /// replicas exactly one acts.
+    #[arg(long, env = "QUEUEGUARD_LEADER_ELECTION")]
+    pub leader_election: bool,
+    /// Name of the leader Lease.
+    #[arg(long, default_value = "queueguard")]
+    pub lease_name: String,
+    /// Namespace of the leader Lease and of the webhook's certificate Secret (the operator's own).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
+    /// This replica's identity in the Lease.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// Serve the mutating admission webhook (POST /mutate-pods, TLS) on this address.
+    #[arg(long, env = "QUEUEGUARD_WEBHOOK_ADDR")]
+    pub webhook_addr: Option<SocketAddr>,
+    /// Directory holding tls.crt and tls.key for the webhook (cert-manager's Secret, mounted).
+    #[arg(long, requires = "webhook_addr", conflicts_with = "webhook_secret")]
+    pub webhook_cert_dir: Option<PathBuf>,
+    /// Secret (in the operator's namespace) where the operator keeps its own webhook CA and
+    /// certificate, when cert-manager is not used.
+    #[arg(long, requires_all = ["webhook_addr", "webhook_service", "webhook_config"])]
+    pub webhook_secret: Option<String>,
+    /// The webhook's Service name (the certificate's DNS names derive from it).
+    #[arg(long)]
+    pub webhook_service: Option<String>,
+    /// The MutatingWebhookConfiguration whose caBundle the operator keeps.
+    #[arg(long)]
+    pub webhook_config: Option<String>,
+}
+
+impl RunArgs {
+    /// The leader Lease, when leader election is on.
+    pub fn lease(&self) -> Result<Option<LeaseConfig>, Error> {
+        if !self.leader_election {
+            return Ok(None);
+        }
+        let namespace = self.own_namespace("--leader-election")?;
+        let identity = match &self.pod_name {
+            Some(name) => name.clone(),
+            None => std::env::var("HOSTNAME").map_err(|_| {
+                Error::Startup("--leader-election needs this replica's name: set POD_NAME or --pod-name".into())
+            })?,
+        };
+        Ok(Some(LeaseConfig::new(self.lease_name.clone(), namespace, identity)))
+    }
+
+    /// The webhook, when --webhook-addr is given.
+    pub fn webhook(&self) -> Result<Option<Webhook>, Error> {
+        let Some(addr) = self.webhook_addr else { return Ok(None) };
+        let certs = match (&self.webhook_cert_dir, &self.webhook_secret) {
+            (Some(dir), _) => CertSource::Dir(dir.clone()),
+            (None, Some(secret)) => CertSource::SelfSigned(SelfSigned {
+                namespace: self.own_namespace("--webhook-secret")?,
+                secret: secret.clone(),
+                service: self.webhook_service.clone().unwrap_or_default(),
+                webhook_config: self.webhook_config.clone().unwrap_or_default(),
+            }),
+            (None, None) => {
+                return Err(Error::Startup(
+                    "--webhook-addr needs a certificate: --webhook-cert-dir, or --webhook-secret with --webhook-service and --webhook-config".into(),
+                ));
+            }
+        };
+        Ok(Some(Webhook { addr, certs }))
+    }
+
+    fn own_namespace(&self, flag: &str) -> Result<String, Error> {
+        self.pod_namespace.clone().ok_or_else(|| {
+            Error::Startup(format!("{flag} needs the operator's namespace: set POD_NAMESPACE or --pod-namespace"))
+        })
+    }
 }
 
 #[derive(clap::Args, Debug)]

@@ -21,14 +21,19 @@ pub mod crd;
 pub mod duration;
 pub mod events;
 pub mod gate;
+pub mod http;
+pub mod leader;
 pub mod local;
+pub mod metrics;
 pub mod plan;
+pub mod rbac;
 pub mod reconcile;
 pub mod secret;
 pub mod settings;
 pub mod simulation;
 pub mod status;
 pub mod tls;
+pub mod webhook;
 
 #[cfg(test)]
 mod testing;

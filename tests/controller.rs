@@ -4,59 +4,25 @@
 
 mod common;
 
-use common::*;
-use http::{Request, Response, StatusCode};
+use common::{api::*, *};
+use http::StatusCode;
 use k8s_openapi::{ByteString, api::core::v1::Secret};
-use kube::{Client, client::Body, runtime::controller::Action};
+use kube::runtime::controller::Action;
 use queueguard::{
     controller::{self, Context, FINALIZER},
     crd::QueuePolicy,
 };
 use serde_json::{Value, json};
 use std::{sync::Arc, time::Duration};
-use tower_test::mock::{Handle, SendResponse};
 
 const POLICIES: &str = "/apis/queueguard.io/v1alpha1/namespaces/test/queuepolicies";
 
-struct ApiServer(Handle<Request<Body>, Response<Body>>);
-
-struct Call {
-    method: String,
-    path: String,
-    query: String,
-    content_type: String,
-    body: Value,
-    reply: SendResponse<Response<Body>>,
+trait PolicyCalls {
+    async fn expect_status_patch(&mut self, name: &str) -> (Value, Call);
+    async fn expect_event(&mut self, reason: &str, kind: &str) -> Value;
 }
 
-impl Call {
-    fn respond(self, status: StatusCode, body: &Value) {
-        self.reply.send_response(
-            Response::builder().status(status).body(Body::from(serde_json::to_vec(body).unwrap())).unwrap(),
-        );
-    }
-}
-
-impl ApiServer {
-    async fn expect(&mut self, method: &str, path: &str) -> Call {
-        let (req, reply) = tokio::time::timeout(Duration::from_secs(10), self.0.next_request())
-            .await
-            .unwrap_or_else(|_| panic!("expected {method} {path}, but no request came"))
-            .expect("client still connected");
-        let (parts, body) = req.into_parts();
-        let bytes = body.collect_bytes().await.unwrap();
-        let call = Call {
-            method: parts.method.to_string(),
-            path: parts.uri.path().to_owned(),
-            query: parts.uri.query().unwrap_or_default().to_owned(),
-            content_type: parts.headers.get("content-type").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default(),
-            body: if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap() },
-            reply,
-        };
-        assert_eq!((call.method.as_str(), call.path.as_str()), (method, path), "unexpected request");
-        call
-    }
-
+impl PolicyCalls for ApiServer {
     /// The status patch: server-side apply by the one field manager, forced.
     async fn expect_status_patch(&mut self, name: &str) -> (Value, Call) {
         let call = self.expect("PATCH", &format!("{POLICIES}/{name}/status")).await;
@@ -78,9 +44,8 @@ impl ApiServer {
 }
 
 fn harness() -> (Arc<Context>, ApiServer) {
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let client = Client::new(service, "default");
-    (Arc::new(Context::new(client, &unique("controller"))), ApiServer(handle))
+    let (client, api) = mock_client();
+    (Arc::new(Context::new(client, &unique("controller"))), api)
 }
 
 fn with_finalizer(mut p: QueuePolicy) -> QueuePolicy {

@@ -94,6 +94,11 @@ impl AmqpEndpoint {
         self.uri.display()
     }
 
+    /// Whether the connection is open; false while (re)connecting.
+    pub fn is_connected(&self) -> bool {
+        self.state.try_lock().is_ok_and(|s| s.conn.as_ref().is_some_and(|c| c.status().connected()))
+    }
+
     /// A live channel, connecting first when needed.
     pub async fn channel(&self) -> Result<PooledChannel<'_>, AmqpError> {
         if let Some(channel) = self.take_idle() {

@@ -93,6 +93,12 @@ impl BrokerPool {
         Ok(trackers.entry(key).or_insert_with(|| ConsumerTracker::start(broker)).clone())
     }
 
+    /// Each endpoint (credentials left out) and whether its AMQP connection is open now.
+    pub fn connection_states(&self) -> Vec<(String, bool)> {
+        let endpoints = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+        endpoints.values().map(|b| (b.amqp.display(), b.amqp.is_connected())).collect()
+    }
+
     /// AMQP connections opened across all endpoints.
     pub fn connections_opened(&self) -> u64 {
         let endpoints = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());

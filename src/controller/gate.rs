@@ -7,6 +7,7 @@ use crate::{
     crd::{GateMode, QueuePolicy},
     events::EventSpec,
     gate::{self, Decision, GatePlan, Observed, pdb, pods::PodFacts},
+    metrics::PolicyLabels,
     status::GateReport,
 };
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget};
@@ -54,7 +55,14 @@ pub async fn run(
     if plan.mode == GateMode::Enforce {
         apply(policy, plan, &ns, &deployments, &decision, ctx).await?;
     }
-    let Decision { consumers_attached, rollout_safe, consumers, rollout, events, recheck_after, .. } = decision;
+    let Decision { consumers_attached, rollout_safe, consumers, rollout, events, recheck_after, opened_after, .. } =
+        decision;
+    if plan.mode == GateMode::Enforce {
+        let labels = PolicyLabels { namespace: ns.clone(), policy: policy.name_any() };
+        for waited in opened_after {
+            ctx.metrics.gate_opened(&labels, waited);
+        }
+    }
     Ok(GatePass { report: GateReport { consumers_attached, rollout_safe, consumers, rollout }, events, recheck_after })
 }
 

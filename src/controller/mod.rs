@@ -13,6 +13,9 @@ use crate::{
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
     events::{self, EventSpec},
+    http::{Endpoints, Health},
+    leader::LeaderElector,
+    metrics::{Metrics, PolicyLabels},
     plan::{self, Limits, QueuePlan},
     reconcile, secret,
     status::{Check, Outcome, Reason, next_status},
@@ -64,6 +67,10 @@ pub enum Error {
     InvalidSelector(String),
     #[error("the QueuePolicy has no uid yet")]
     MissingUid,
+    #[error("lost the leader lease")]
+    LeadershipLost,
+    #[error("{0}")]
+    Startup(String),
 }
 
 impl Error {
@@ -75,6 +82,8 @@ impl Error {
             Self::Finalizer(_) => "finalizer",
             Self::InvalidSelector(_) => "invalid_selector",
             Self::MissingUid => "missing_uid",
+            Self::LeadershipLost => "leadership_lost",
+            Self::Startup(_) => "startup",
         }
     }
 }
@@ -82,7 +91,8 @@ impl Error {
 /// Everything a reconcile reaches for.
 pub struct Context {
     pub client: Client,
-    pub brokers: BrokerPool,
+    pub brokers: Arc<BrokerPool>,
+    pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub limits: Limits,
     pub triggers: Triggers,
@@ -105,7 +115,8 @@ impl Context {
         let (triggers, rx) = Triggers::new();
         Self {
             recorder: Recorder::new(client.clone(), reporter),
-            brokers: BrokerPool::new(connection_name),
+            brokers: Arc::new(BrokerPool::new(connection_name)),
+            metrics: Arc::default(),
             client,
             limits: Limits::default(),
             triggers,
@@ -123,9 +134,86 @@ impl Context {
     }
 }
 
-/// Runs the controller until SIGTERM or Ctrl-C.
+/// Runs the operator until SIGTERM or Ctrl-C: the HTTP endpoints and the webhook on every
+/// replica, the controller on the leader only.
 pub async fn run(args: RunArgs) -> Result<(), Error> {
     let client = Client::try_default().await?;
+    let ctx = Arc::new(Context::new(client.clone(), &args.connection_name));
+    let health = Arc::new(Health::new(args.leader_election));
+    let endpoints =
+        Arc::new(Endpoints { metrics: ctx.metrics.clone(), health: health.clone(), brokers: ctx.brokers.clone() });
+    let http = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| Error::Startup(format!("--http-addr {}: {e}", args.http_addr)))?;
+    tokio::spawn(async move {
+        if let Err(e) = crate::http::serve(http, endpoints).await {
+            tracing::error!(error = %e, "HTTP endpoints stopped");
+        }
+    });
+    if let Some(webhook) = args.webhook()? {
+        start_webhook(webhook, &client, args.namespace.as_deref());
+    }
+    let elector = match args.lease()? {
+        Some(cfg) => {
+            let elector = LeaderElector::new(client.clone(), cfg);
+            tokio::select! {
+                () = elector.acquire() => {}
+                () = shutdown_signal() => return Ok(()),
+            }
+            Some(elector)
+        }
+        None => None,
+    };
+    health.set_leading(true);
+    ctx.metrics.leading(true);
+    let controller = run_controller(&args, ctx, health);
+    let outcome = match &elector {
+        Some(e) => tokio::select! {
+            () = controller => Ok(()),
+            () = e.hold() => Err(Error::LeadershipLost),
+        },
+        None => {
+            controller.await;
+            Ok(())
+        }
+    };
+    if let Some(e) = &elector
+        && outcome.is_ok()
+        && let Err(err) = e.release().await
+    {
+        tracing::warn!(error = %err, "could not release the leader lease");
+    }
+    outcome
+}
+
+fn start_webhook(server: crate::webhook::server::Webhook, client: &Client, namespace: Option<&str>) {
+    let api: Api<QueuePolicy> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let (store, writer) = reflector::store();
+    let policies = reflector::reflector(writer, watcher(api, watcher::Config::default().any_semantic()))
+        .default_backoff()
+        .applied_objects();
+    tokio::spawn(policies.for_each(|_| async {}));
+    let client = client.clone();
+    tokio::spawn(async move {
+        if let Err(e) = server.serve(client, store).await {
+            tracing::error!(error = %e, "admission webhook stopped");
+        }
+    });
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) {
+    let client = ctx.client.clone();
     let (policies, deployments, pods): (Api<QueuePolicy>, Api<Deployment>, Api<Pod>) = match &args.namespace {
         Some(ns) => (
             Api::namespaced(client.clone(), ns),
@@ -134,7 +222,6 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         ),
         None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
     };
-    let ctx = Arc::new(Context::new(client, &args.connection_name));
     let consumer_changes = ctx.take_trigger_receiver().expect("taken once");
     tracing::info!(namespace = args.namespace.as_deref().unwrap_or("*"), "starting controller");
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
@@ -155,6 +242,12 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
     let consumer_changes =
         futures::stream::unfold(consumer_changes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
     let (by_deployment, by_pod) = (policy_store.clone(), policy_store.clone());
+    let (synced_policies, synced_deployments) = (policy_store.clone(), deployment_store.clone());
+    tokio::spawn(async move {
+        if synced_policies.wait_until_ready().await.is_ok() && synced_deployments.wait_until_ready().await.is_ok() {
+            health.set_synced();
+        }
+    });
     Controller::for_stream(trigger, policy_store)
         .watches_stream(deployment_events, move |d| triggers::policies_for_deployment(&by_deployment, &d))
         .watches_stream(pod_events, move |p| triggers::policies_for_pod(&by_pod, &deployment_store, &p))
@@ -168,21 +261,27 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
             }
         })
         .await;
-    Ok(())
 }
 
 #[tracing::instrument(skip_all, fields(policy = %format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())))]
 pub async fn reconcile(policy: Arc<QueuePolicy>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
+    let labels = PolicyLabels { namespace: ns.clone(), policy: policy.name_any() };
+    let started = Instant::now();
     let api: Api<QueuePolicy> = Api::namespaced(ctx.client.clone(), &ns);
-    finalizer::finalizer(&api, FINALIZER, policy, |event| async {
+    let result = finalizer::finalizer(&api, FINALIZER, policy, |event| async {
         match event {
             Finalizer::Apply(p) => apply(&p, &ctx).await,
             Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
         }
     })
     .await
-    .map_err(|e| Error::Finalizer(Box::new(e)))
+    .map_err(|e| match e {
+        finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e) => e,
+        other => Error::Finalizer(Box::new(other)),
+    });
+    ctx.metrics.reconciled(&labels, started.elapsed(), result.as_ref().err().map(Error::metric_label));
+    result
 }
 
 pub fn error_policy(policy: Arc<QueuePolicy>, error: &Error, _ctx: Arc<Context>) -> Action {
@@ -254,6 +353,10 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         recheck = pass.recheck_after;
     }
 
+    ctx.metrics.observed(
+        &PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() },
+        &outcome,
+    );
     let status = next_status(previous, &outcome, generation, Timestamp::now());
     write_status(policy, previous, status, ctx).await?;
     for event in &events {
@@ -287,6 +390,7 @@ fn remember(ctx: &Context, me: &ObjectRef<QueuePolicy>, generation: Option<i64>,
 async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(policy);
     ctx.triggers.forget(&me);
+    ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
     ctx.converged.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
     let Ok(plan) = plan::plan(policy, ctx.limits) else {
         // Never declared anything from an invalid spec: nothing to clean.

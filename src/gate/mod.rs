@@ -100,6 +100,8 @@ pub struct Decision {
     /// When a pass is due because time alone changes a verdict (minAttachedSeconds elapsing,
     /// attachTimeout running out).
     pub recheck_after: Option<Duration>,
+    /// How long each gate this pass opens was closed (for the gate wait metric).
+    pub opened_after: Vec<Duration>,
 }
 
 pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
@@ -113,6 +115,7 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
     let min_ms = plan.min_attached_for.as_millis() as i64;
 
     let mut pod_patches = Vec::new();
+    let mut opened_after = Vec::new();
     let mut events = Vec::new();
     let mut recheck: Option<i64> = None;
     let mut soon = |at_ms: i64| {
@@ -199,6 +202,10 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
                     };
                     events.push(pod_event(&patch, observe_note));
                     pod_patches.push(patch);
+                    if status && !currently_open {
+                        let waited = wait_start.map_or(0, |start| (now - start).max(0));
+                        opened_after.push(Duration::from_millis(waited as u64));
+                    }
                 }
             }
             if let Some(start) = wait_start.filter(|_| !open_after) {
@@ -312,6 +319,7 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         rollout: RolloutObservation { phase: phase.into(), waiting_pods: waiting },
         events,
         recheck_after: recheck.map(|at| Duration::from_millis((at - now) as u64)),
+        opened_after,
     }
 }
 

@@ -2,6 +2,8 @@
 //! QUEUEGUARD_TEST_BROKER says otherwise). Every test uses its own unique names.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod api;
+
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties,
     options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions},

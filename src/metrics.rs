@@ -1,0 +1,292 @@
+//! Prometheus metrics: what `/metrics` serves. Reconciles, queue depths, gate state and gate
+//! waits per policy; broker connection state per endpoint; leadership.
+
+use crate::status::Outcome;
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Mutex,
+    time::Duration,
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    pub namespace: String,
+    pub policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    namespace: String,
+    policy: String,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    namespace: String,
+    policy: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QueueLabels {
+    namespace: String,
+    policy: String,
+    queue: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BrokerLabels {
+    broker: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Every metric the operator exports, in one registry.
+pub struct Metrics {
+    registry: Registry,
+    reconciles: Family<ResultLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+    duration: HistogramFamily<PolicyLabels>,
+    messages_ready: Family<QueueLabels, Gauge>,
+    messages_unacked: Family<QueueLabels, Gauge>,
+    consumers: Family<QueueLabels, Gauge>,
+    dead_letter_ready: Family<QueueLabels, Gauge>,
+    attached: Family<PolicyLabels, Gauge>,
+    expected: Family<PolicyLabels, Gauge>,
+    waiting: Family<PolicyLabels, Gauge>,
+    gate_wait: HistogramFamily<PolicyLabels>,
+    broker_up: Family<BrokerLabels, Gauge>,
+    leader: Gauge,
+    /// The queue series of each policy, removed with it.
+    queues: Mutex<HashMap<PolicyLabels, HashSet<QueueLabels>>>,
+}
+
+fn reconcile_buckets() -> Histogram {
+    Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
+}
+
+fn gate_wait_buckets() -> Histogram {
+    Histogram::new([0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0])
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("queueguard");
+        let reconciles = Family::default();
+        registry.register("reconcile", "Reconciles of a QueuePolicy, by result (ok, error)", reconciles.clone());
+        let errors = Family::default();
+        registry.register("reconcile_errors", "Failed reconciles, by kind of error", errors.clone());
+        let duration: HistogramFamily<PolicyLabels> = Family::new_with_constructor(reconcile_buckets);
+        registry.register("reconcile_duration_seconds", "Time one reconcile took", duration.clone());
+        let messages_ready = Family::default();
+        registry.register("queue_messages_ready", "Messages ready on the policy's queue", messages_ready.clone());
+        let messages_unacked = Family::default();
+        registry.register(
+            "queue_messages_unacknowledged",
+            "Messages delivered and not yet acknowledged on the policy's queue",
+            messages_unacked.clone(),
+        );
+        let consumers = Family::default();
+        registry.register("queue_consumers", "Consumers on the policy's queue", consumers.clone());
+        let dead_letter_ready = Family::default();
+        registry.register(
+            "dead_letter_messages_ready",
+            "Messages waiting in the policy's dead-letter queue",
+            dead_letter_ready.clone(),
+        );
+        let attached = Family::default();
+        registry.register("gate_consumers_attached", "Consumer pods whose consumer is attached", attached.clone());
+        let expected = Family::default();
+        registry.register("gate_consumers_expected", "Consumer pods the gate expects", expected.clone());
+        let waiting = Family::default();
+        registry.register("gate_pods_waiting", "Pods held back by the gate right now", waiting.clone());
+        let gate_wait: HistogramFamily<PolicyLabels> = Family::new_with_constructor(gate_wait_buckets);
+        registry.register(
+            "gate_wait_seconds",
+            "Time from a pod's gate closing (containers ready, or its consumer left) to it opening",
+            gate_wait.clone(),
+        );
+        let broker_up = Family::default();
+        registry.register(
+            "broker_connection_up",
+            "1 while the AMQP connection to the broker is open",
+            broker_up.clone(),
+        );
+        let leader = Gauge::default();
+        registry.register("leader", "1 while this replica holds the leader lease", leader.clone());
+        Self {
+            registry,
+            reconciles,
+            errors,
+            duration,
+            messages_ready,
+            messages_unacked,
+            consumers,
+            dead_letter_ready,
+            attached,
+            expected,
+            waiting,
+            gate_wait,
+            broker_up,
+            leader,
+            queues: Mutex::default(),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn reconciled(&self, policy: &PolicyLabels, took: Duration, error: Option<&'static str>) {
+        let PolicyLabels { namespace, policy: name } = policy.clone();
+        let result = if error.is_some() { "error" } else { "ok" };
+        self.reconciles
+            .get_or_create(&ResultLabels { namespace: namespace.clone(), policy: name.clone(), result })
+            .inc();
+        if let Some(kind) = error {
+            self.errors.get_or_create(&ErrorLabels { namespace, policy: name, kind }).inc();
+        }
+        self.duration.get_or_create(policy).observe(took.as_secs_f64());
+    }
+
+    /// The queue counts and gate state one reconcile saw; what it could not see is left as it was.
+    pub fn observed(&self, policy: &PolicyLabels, outcome: &Outcome) {
+        if let Some(q) = &outcome.queue_observation {
+            let labels = self.queue_labels(policy, &q.name);
+            set_opt(&self.messages_ready, &labels, q.messages_ready);
+            set_opt(&self.messages_unacked, &labels, q.messages_unacknowledged);
+            set_opt(&self.consumers, &labels, q.consumers);
+        }
+        if let Some(dl) = &outcome.dead_letter_observation {
+            set_opt(&self.dead_letter_ready, &self.queue_labels(policy, &dl.queue), dl.messages_ready);
+        }
+        if let Some(gate) = &outcome.gate {
+            self.attached.get_or_create(policy).set(gate.consumers.attached.into());
+            self.expected.get_or_create(policy).set(gate.consumers.expected.into());
+            self.waiting.get_or_create(policy).set(gate.rollout.waiting_pods.len() as i64);
+        }
+    }
+
+    pub fn gate_opened(&self, policy: &PolicyLabels, waited: Duration) {
+        self.gate_wait.get_or_create(policy).observe(waited.as_secs_f64());
+    }
+
+    /// A deleted policy's series go with it.
+    pub fn forget(&self, policy: &PolicyLabels) {
+        for family in [&self.attached, &self.expected, &self.waiting] {
+            family.remove(policy);
+        }
+        self.duration.remove(policy);
+        self.gate_wait.remove(policy);
+        let queues = self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(policy).unwrap_or_default();
+        for labels in &queues {
+            for family in [&self.messages_ready, &self.messages_unacked, &self.consumers, &self.dead_letter_ready] {
+                family.remove(labels);
+            }
+        }
+    }
+
+    pub fn broker_connection(&self, broker: &str, up: bool) {
+        self.broker_up.get_or_create(&BrokerLabels { broker: broker.to_owned() }).set(up.into());
+    }
+
+    pub fn leading(&self, leader: bool) {
+        self.leader.set(leader.into());
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+
+    fn queue_labels(&self, policy: &PolicyLabels, queue: &str) -> QueueLabels {
+        let labels =
+            QueueLabels { namespace: policy.namespace.clone(), policy: policy.policy.clone(), queue: queue.to_owned() };
+        self.queues.lock().unwrap_or_else(|p| p.into_inner()).entry(policy.clone()).or_default().insert(labels.clone());
+        labels
+    }
+}
+
+fn set_opt(family: &Family<QueueLabels, Gauge>, labels: &QueueLabels, value: Option<i64>) {
+    if let Some(v) = value {
+        family.get_or_create(labels).set(v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        crd::{DeadLetterObservation, QueueObservation},
+        status::{Check, Reason},
+    };
+
+    fn labels() -> PolicyLabels {
+        PolicyLabels { namespace: "shop".into(), policy: "orders".into() }
+    }
+
+    fn line<'a>(text: &'a str, prefix: &str) -> &'a str {
+        text.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no line {prefix} in\n{text}"))
+    }
+
+    #[test]
+    fn reconciles_and_errors_are_counted_per_policy() {
+        let m = Metrics::default();
+        m.reconciled(&labels(), Duration::from_millis(20), None);
+        m.reconciled(&labels(), Duration::from_millis(30), None);
+        m.reconciled(&labels(), Duration::from_millis(5), Some("kube"));
+        let text = m.render();
+        assert_eq!(
+            line(&text, r#"queueguard_reconcile_total{namespace="shop",policy="orders",result="ok"}"#)
+                .rsplit(' ')
+                .next(),
+            Some("2")
+        );
+        assert!(text.contains(r#"queueguard_reconcile_errors_total{namespace="shop",policy="orders",kind="kube"} 1"#));
+        assert!(text.contains(r#"queueguard_reconcile_duration_seconds_count{namespace="shop",policy="orders"} 3"#));
+        assert!(text.trim_end().ends_with("# EOF"), "OpenMetrics text ends with # EOF");
+    }
+
+    #[test]
+    fn queue_depths_follow_the_latest_observation_and_go_with_the_policy() {
+        let m = Metrics::default();
+        let mut outcome = Outcome::blocked(Check::failed(Reason::BrokerUnreachable, "down"));
+        outcome.queue_observation = Some(QueueObservation {
+            name: "orders".into(),
+            vhost: "/".into(),
+            messages_ready: Some(12),
+            messages_unacknowledged: Some(3),
+            consumers: Some(2),
+        });
+        outcome.dead_letter_observation = Some(DeadLetterObservation {
+            exchange: "orders.dlx".into(),
+            queue: "orders.dlq".into(),
+            messages_ready: Some(7),
+        });
+        m.observed(&labels(), &outcome);
+        m.gate_opened(&labels(), Duration::from_millis(800));
+        m.broker_connection("amqp://rabbitmq:5672/%2F", true);
+        m.leading(true);
+        let text = m.render();
+        for expected in [
+            r#"queueguard_queue_messages_ready{namespace="shop",policy="orders",queue="orders"} 12"#,
+            r#"queueguard_queue_messages_unacknowledged{namespace="shop",policy="orders",queue="orders"} 3"#,
+            r#"queueguard_queue_consumers{namespace="shop",policy="orders",queue="orders"} 2"#,
+            r#"queueguard_dead_letter_messages_ready{namespace="shop",policy="orders",queue="orders.dlq"} 7"#,
+            r#"queueguard_gate_wait_seconds_bucket{le="1.0",namespace="shop",policy="orders"} 1"#,
+            r#"queueguard_broker_connection_up{broker="amqp://rabbitmq:5672/%2F"} 1"#,
+            "queueguard_leader 1",
+        ] {
+            assert!(text.contains(expected), "missing {expected} in\n{text}");
+        }
+        m.forget(&labels());
+        let text = m.render();
+        assert!(!text.contains(r#"policy="orders""#), "a deleted policy's series are gone:\n{text}");
+    }
+}

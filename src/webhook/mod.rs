@@ -1,0 +1,211 @@
+//! The optional mutating admission webhook: it adds the `queueguard.io/consumer-attached`
+//! readiness gate to new pods of Deployments that a QueuePolicy guards in Enforce mode, so
+//! users need not edit their pod templates. It runs with `failurePolicy: Ignore`: a pod created
+//! while the operator is down simply lacks the gate and is reported as `GateNotInstalled`.
+
+pub mod certs;
+pub mod server;
+
+use crate::{
+    crd::{GateMode, QueuePolicy},
+    gate::pods::GATE_CONDITION,
+};
+use base64::Engine;
+use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    ResourceExt,
+    core::{
+        Selector, SelectorExt,
+        admission::{AdmissionRequest, AdmissionResponse, Operation},
+    },
+};
+use serde_json::json;
+
+/// The policies that gate pods of `deployment` (named, or selected by its labels) in Enforce
+/// mode. Observe mode must not add the gate: nobody would ever set its condition.
+pub fn enforcing<'a>(
+    policies: &'a [std::sync::Arc<QueuePolicy>],
+    namespace: &str,
+    deployment: &str,
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+) -> Vec<&'a QueuePolicy> {
+    policies
+        .iter()
+        .map(|p| &**p)
+        .filter(|p| p.namespace().as_deref() == Some(namespace) && p.spec.gate.mode == GateMode::Enforce)
+        .filter(|p| {
+            let Some(c) = &p.spec.consumers else { return false };
+            if c.deployment.as_deref() == Some(deployment) {
+                return true;
+            }
+            let selector = c.selector.clone().and_then(|s| Selector::try_from(s).ok());
+            match (selector, labels) {
+                (Some(s), Some(labels)) => !s.selects_all() && s.matches(labels),
+                _ => false,
+            }
+        })
+        .collect()
+}
+
+/// Whether any policy in the namespace picks Deployments by label (then the Deployment's labels
+/// must be read to decide).
+pub fn needs_deployment_labels(policies: &[std::sync::Arc<QueuePolicy>], namespace: &str) -> bool {
+    policies.iter().any(|p| {
+        p.namespace().as_deref() == Some(namespace) && p.spec.consumers.as_ref().is_some_and(|c| c.selector.is_some())
+    })
+}
+
+/// The answer to one admission request. `guarding` names the policies that guard the pod's
+/// Deployment (empty: allow unchanged). The pod is always allowed: the webhook only adds.
+pub fn mutate(request: &AdmissionRequest<Pod>, guarding: &[&QueuePolicy]) -> AdmissionResponse {
+    let allow = AdmissionResponse::from(request);
+    let pod = request.object.as_ref().filter(|_| request.operation == Operation::Create);
+    let (Some(pod), Some(policy)) = (pod, guarding.first()) else { return allow };
+    let Some(patch) = gate_patch(pod) else { return allow };
+    match allow.clone().with_patch(patch) {
+        Ok(mut patched) => {
+            // The audit log names the policy that caused the mutation.
+            patched.audit_annotations.insert("guarded-by".into(), policy.name_any());
+            patched
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "could not encode the readiness gate patch");
+            allow
+        }
+    }
+}
+
+/// The AdmissionReview answer as the API server reads it. kube-rs serialises the patch bytes as
+/// a JSON array of numbers; the API's canonical form for `[]byte` is a base64 string, so that
+/// is what is sent.
+pub fn review_json(response: AdmissionResponse) -> serde_json::Value {
+    let mut review = serde_json::to_value(response.into_review()).unwrap_or_default();
+    let patch = review["response"]["patch"].as_array().map(|bytes| {
+        let bytes: Vec<u8> = bytes.iter().filter_map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok())).collect();
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    });
+    if let Some(encoded) = patch {
+        review["response"]["patch"] = encoded.into();
+    }
+    review
+}
+
+/// The JSON patch adding the readiness gate, or None when the pod already has it.
+pub fn gate_patch(pod: &Pod) -> Option<Patch> {
+    let gates = pod.spec.as_ref().and_then(|s| s.readiness_gates.as_ref());
+    if gates.is_some_and(|g| g.iter().any(|g| g.condition_type == GATE_CONDITION)) {
+        return None;
+    }
+    let gate = json!({ "conditionType": GATE_CONDITION });
+    let (path, value) = match gates {
+        Some(_) => ("/spec/readinessGates/-", gate),
+        None => ("/spec/readinessGates", json!([gate])),
+    };
+    let path = PointerBuf::parse(path).expect("a valid pointer");
+    Some(Patch(vec![PatchOperation::Add(AddOperation { path, value })]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::admission::AdmissionReview;
+    use serde_json::Value;
+    use std::sync::Arc;
+
+    /// What the API server sends when the ReplicaSet controller creates a pod.
+    const REVIEW: &str = include_str!("../../tests/fixtures/admission/replicaset-creates-pod.json");
+
+    fn request(edit: impl FnOnce(&mut Value)) -> AdmissionRequest<Pod> {
+        let mut review: Value = serde_json::from_str(REVIEW).unwrap();
+        edit(&mut review);
+        let review: AdmissionReview<Pod> = serde_json::from_value(review).unwrap();
+        review.try_into().unwrap()
+    }
+
+    fn policy(consumers: &str, mode: &str) -> Arc<QueuePolicy> {
+        let doc = format!(
+            "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: orders, namespace: shop}}\nspec:\n  broker: {{secretRef: {{name: rabbitmq}}}}\n  queue: {{name: orders}}\n  consumers: {consumers}\n  gate: {{mode: {mode}}}\n"
+        );
+        Arc::new(serde_yaml_ng::from_str(&doc).unwrap())
+    }
+
+    fn patch_of(response: &AdmissionResponse) -> Value {
+        serde_json::from_slice(response.patch.as_ref().expect("a patch")).unwrap()
+    }
+
+    #[test]
+    fn a_guarded_deployments_new_pod_gets_the_readiness_gate() {
+        let req = request(|_| {});
+        let policies = [policy("{deployment: order-worker}", "Enforce")];
+        let pod = req.object.as_ref().unwrap();
+        let deployment = crate::controller::triggers::deployment_of(pod).unwrap();
+        let guarding = enforcing(&policies, "shop", &deployment, None);
+        let response = mutate(&req, &guarding);
+        assert!(response.allowed);
+        assert_eq!(response.uid, "705ab4f5-6393-11e8-b7cc-42010a800002");
+        assert_eq!(
+            patch_of(&response),
+            serde_json::json!([{"op": "add", "path": "/spec/readinessGates", "value": [{"conditionType": GATE_CONDITION}]}])
+        );
+        let patch = patch_of(&response);
+        let review = review_json(response);
+        assert_eq!(review["response"]["patchType"], "JSONPatch");
+        let encoded = review["response"]["patch"].as_str().expect("the patch travels base64-encoded");
+        let decoded: Value =
+            serde_json::from_slice(&base64::engine::general_purpose::STANDARD.decode(encoded).unwrap()).unwrap();
+        assert_eq!(decoded, patch);
+        assert_eq!(review["response"]["auditAnnotations"]["guarded-by"], "orders");
+    }
+
+    #[test]
+    fn existing_gates_are_kept_and_ours_is_not_added_twice() {
+        let other = request(|r| {
+            r["request"]["object"]["spec"]["readinessGates"] =
+                serde_json::json!([{"conditionType": "example.com/ready"}])
+        });
+        let policies = [policy("{deployment: order-worker}", "Enforce")];
+        let guarding = enforcing(&policies, "shop", "order-worker", None);
+        assert_eq!(
+            patch_of(&mutate(&other, &guarding)),
+            serde_json::json!([{"op": "add", "path": "/spec/readinessGates/-", "value": {"conditionType": GATE_CONDITION}}])
+        );
+        let ours = request(|r| {
+            r["request"]["object"]["spec"]["readinessGates"] = serde_json::json!([{"conditionType": GATE_CONDITION}])
+        });
+        let response = mutate(&ours, &guarding);
+        assert!(response.allowed && response.patch.is_none());
+    }
+
+    #[test]
+    fn unguarded_observed_and_foreign_pods_pass_unchanged() {
+        let req = request(|_| {});
+        let cases = [
+            (policy("{deployment: payment-worker}", "Enforce"), "shop"),
+            (policy("{deployment: order-worker}", "Observe"), "shop"),
+            (policy("{deployment: order-worker}", "Enforce"), "other-namespace"),
+        ];
+        for (p, ns) in cases {
+            let policies = [p];
+            let guarding = enforcing(&policies, ns, "order-worker", None);
+            let response = mutate(&req, &guarding);
+            assert!(response.allowed && response.patch.is_none(), "{guarding:?}");
+        }
+        let update = request(|r| r["request"]["operation"] = "UPDATE".into());
+        let policies = [policy("{deployment: order-worker}", "Enforce")];
+        let response = mutate(&update, &enforcing(&policies, "shop", "order-worker", None));
+        assert!(response.patch.is_none(), "only new pods are mutated");
+    }
+
+    #[test]
+    fn label_selected_deployments_need_their_labels() {
+        let policies = [policy("{selector: {matchLabels: {tier: consumers}}}", "Enforce")];
+        assert!(needs_deployment_labels(&policies, "shop"));
+        assert!(!needs_deployment_labels(&policies, "elsewhere"));
+        let labels = std::collections::BTreeMap::from([("tier".to_owned(), "consumers".to_owned())]);
+        assert_eq!(enforcing(&policies, "shop", "order-worker", Some(&labels)).len(), 1);
+        assert!(enforcing(&policies, "shop", "order-worker", None).is_empty());
+        let web = std::collections::BTreeMap::from([("tier".to_owned(), "web".to_owned())]);
+        assert!(enforcing(&policies, "shop", "order-worker", Some(&web)).is_empty());
+    }
+}
