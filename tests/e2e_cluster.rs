@@ -10,6 +10,7 @@
 
 mod common;
 
+use clap::Parser;
 use common::unique;
 use k8s_openapi::{
     api::{
@@ -26,7 +27,7 @@ use kube::{
 use lapin::{BasicProperties, Connection, ConnectionProperties, options::*, types::FieldTable};
 use queueguard::{
     broker::{BrokerPool, uri::BrokerUri},
-    cli::RunArgs,
+    cli::{Cli, Command},
     consumers::{Change, QueueKey},
     controller,
     crd::QueuePolicy,
@@ -152,10 +153,10 @@ async fn rolling_restarts_on_a_real_cluster_keep_the_queue_and_every_message() {
     });
     policies.create(&PostParams::default(), &serde_json::from_value(policy).unwrap()).await.unwrap();
 
-    let operator = tokio::spawn(controller::run(RunArgs {
-        namespace: Some(ns.clone()),
-        connection_name: "queueguard-e2e".into(),
-    }));
+    let argv =
+        ["queueguard", "run", "--namespace", &ns, "--connection-name", "queueguard-e2e", "--http-addr", "127.0.0.1:0"];
+    let Command::Run(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!("parsed as run") };
+    let operator = tokio::spawn(controller::run(args));
 
     wait_for("the policy to be Ready with 2 consumers attached", Duration::from_secs(300), || async {
         policies.get("orders").await.ok().and_then(|p| p.status).is_some_and(|s| {
