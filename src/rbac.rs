@@ -35,6 +35,10 @@ pub const RULES: &[Rule] = &[
     // Watch and reconcile policies; the finalizer is a patch of the object.
     rule("queueguard.io", "queuepolicies", &["get", "list", "watch", "patch"]),
     rule("queueguard.io", "queuepolicies/status", &["patch"]),
+    // Not an API call: the PDBs the operator creates name their policy as owner with
+    // blockOwnerDeletion, which clusters running OwnerReferencesPermissionEnforcement (OpenShift)
+    // allow only to whoever may update the owner's finalizers.
+    rule("queueguard.io", "queuepolicies/finalizers", &["update"]),
     // The consumer Deployments: watched, read, and patched to a safe strategy.
     rule("apps", "deployments", &["get", "list", "watch", "patch"]),
     // Consumer pods: watched and listed; their gate condition written through pods/status.
