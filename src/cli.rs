@@ -190,7 +190,7 @@ impl RunArgs {
     }
 
     fn own_namespace(&self, flag: &str) -> Result<String, Error> {
-        self.pod_namespace.clone().ok_or_else(|| {
+        self.pod_namespace.clone().filter(|ns| !ns.is_empty()).ok_or_else(|| {
             Error::Startup(format!("{flag} needs the operator's namespace: set POD_NAMESPACE or --pod-namespace"))
         })
     }

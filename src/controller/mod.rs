@@ -137,6 +137,8 @@ impl Context {
 /// Runs the operator until SIGTERM or Ctrl-C: the HTTP endpoints and the webhook on every
 /// replica, the controller on the leader only.
 pub async fn run(args: RunArgs) -> Result<(), Error> {
+    // Flag mistakes first: they need no cluster to be reported.
+    let (lease, webhook) = (args.lease()?, args.webhook()?);
     let client = Client::try_default().await?;
     let ctx = Arc::new(Context::new(client.clone(), &args.connection_name));
     let health = Arc::new(Health::new(args.leader_election));
@@ -150,10 +152,10 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
             tracing::error!(error = %e, "HTTP endpoints stopped");
         }
     });
-    if let Some(webhook) = args.webhook()? {
+    if let Some(webhook) = webhook {
         start_webhook(webhook, &client, args.namespace.as_deref());
     }
-    let elector = match args.lease()? {
+    let elector = match lease {
         Some(cfg) => {
             let elector = LeaderElector::new(client.clone(), cfg);
             tokio::select! {
