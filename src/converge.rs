@@ -111,6 +111,7 @@ pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Bi
         broker_policy,
         applied_bindings,
         gate: None,
+        findings: None,
     }
 }
 

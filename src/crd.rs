@@ -65,6 +65,9 @@ pub struct QueuePolicySpec {
     /// its broker policy in place; Delete removes it only if it is empty and has no consumers.
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// Consumer hygiene findings reported on the queue, judged from live broker data.
+    #[serde(default)]
+    pub findings: FindingsSpec,
 }
 
 /// Broker connection, read from a Secret in the QueuePolicy's namespace.
@@ -351,6 +354,70 @@ pub enum FailurePolicy {
     Open,
 }
 
+/// Which consumer hygiene findings are reported, and when a stall counts.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FindingsSpec {
+    /// Findings not to report for this queue (silenced): no condition, Event or metric.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 6))]
+    pub ignore: Vec<Finding>,
+    /// How long unacknowledged messages may sit at the consumers' prefetch limit with no ack
+    /// before StalledConsumers is reported.
+    #[serde(default = "default_stall_after")]
+    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
+    pub stall_after: String,
+}
+
+impl Default for FindingsSpec {
+    fn default() -> Self {
+        Self { ignore: Vec::new(), stall_after: default_stall_after() }
+    }
+}
+
+fn default_stall_after() -> String {
+    "3m".into()
+}
+
+/// A consumer habit that loses messages or piles them up.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum Finding {
+    /// Unacknowledged messages sit at the consumers' prefetch limit with no acks: a hung worker.
+    StalledConsumers,
+    /// A consumer with prefetch 0 (unlimited).
+    UnboundedPrefetch,
+    /// A consumer without acknowledgements (auto-ack).
+    AutoAckConsumer,
+    /// Redeliveries far outpace acks: a poison message requeued forever.
+    RequeueLoop,
+    /// Messages wait, nobody consumes, and less than half the x-expires window is left.
+    ExpiryRisk,
+    /// The dead-letter queue keeps growing.
+    DeadLetterGrowing,
+}
+
+impl Finding {
+    pub const ALL: [Finding; 6] = [
+        Self::StalledConsumers,
+        Self::UnboundedPrefetch,
+        Self::AutoAckConsumer,
+        Self::RequeueLoop,
+        Self::ExpiryRisk,
+        Self::DeadLetterGrowing,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::StalledConsumers => "StalledConsumers",
+            Self::UnboundedPrefetch => "UnboundedPrefetch",
+            Self::AutoAckConsumer => "AutoAckConsumer",
+            Self::RequeueLoop => "RequeueLoop",
+            Self::ExpiryRisk => "ExpiryRisk",
+            Self::DeadLetterGrowing => "DeadLetterGrowing",
+        }
+    }
+}
+
 /// What deleting the QueuePolicy does to the queue.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
 pub enum DeletionPolicy {
@@ -388,6 +455,22 @@ pub struct QueuePolicyStatus {
     /// Where the consumer Deployment's rollout stands (with spec.consumers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutObservation>,
+    /// A prefetch suggestion from the consumers' observed processing time and the round trip to
+    /// the broker: (processing + round trip) / processing per consumer thread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<PrefetchObservation>,
+}
+
+/// The prefetch suggestion and what it was computed from.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PrefetchObservation {
+    /// Suggested prefetch_count per consumer (per worker thread of a consumer).
+    pub suggested: i32,
+    /// Observed time a consumer spends per message, in milliseconds.
+    pub processing_millis: i64,
+    /// Round trip between the operator and the broker, in milliseconds.
+    pub round_trip_millis: i64,
 }
 
 /// Consumers of the queue, by pod.

@@ -1,7 +1,7 @@
 //! Which Kubernetes Events a status change deserves: one per condition transition, never one per
 //! reconcile.
 
-use crate::status::ConditionType;
+use crate::{crd::Finding, status::ConditionType};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
 /// Events carry at most 1 KiB of note.
@@ -43,7 +43,35 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             events.push(event);
         }
     }
+    events.extend(finding_transitions(old, new));
     events
+}
+
+/// A finding coming up is a Warning; one going away after being seen is a Normal Event. Only
+/// transitions count, so a habit that persists is announced once, not every pass.
+fn finding_transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
+    let was_seen = |kind: &str| old.iter().any(|c| c.type_ == kind && c.status == "True");
+    Finding::ALL
+        .iter()
+        .filter_map(|f| {
+            let now = new.iter().find(|c| c.type_ == f.as_str())?;
+            match (was_seen(f.as_str()), now.status == "True") {
+                (false, true) => Some(EventSpec {
+                    warning: true,
+                    reason: f.as_str().into(),
+                    action: "CheckConsumers",
+                    note: truncate(&now.message),
+                }),
+                (true, false) => Some(EventSpec {
+                    warning: false,
+                    reason: "FindingCleared".into(),
+                    action: "CheckConsumers",
+                    note: format!("{} no longer seen", f.as_str()),
+                }),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 pub fn truncate(text: &str) -> String {

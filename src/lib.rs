@@ -20,6 +20,7 @@ pub mod converge;
 pub mod crd;
 pub mod duration;
 pub mod events;
+pub mod findings;
 pub mod gate;
 pub mod http;
 pub mod leader;

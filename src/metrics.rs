@@ -41,6 +41,13 @@ struct QueueLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FindingLabels {
+    namespace: String,
+    policy: String,
+    finding: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BrokerLabels {
     broker: String,
 }
@@ -61,6 +68,7 @@ pub struct Metrics {
     expected: Family<PolicyLabels, Gauge>,
     waiting: Family<PolicyLabels, Gauge>,
     gate_wait: HistogramFamily<PolicyLabels>,
+    findings: Family<FindingLabels, Gauge>,
     broker_up: Family<BrokerLabels, Gauge>,
     leader: Gauge,
     /// The queue series of each policy, removed with it.
@@ -112,6 +120,12 @@ impl Default for Metrics {
             "Time from a pod's gate closing (containers ready, or its consumer left) to it opening",
             gate_wait.clone(),
         );
+        let findings = Family::default();
+        registry.register(
+            "finding",
+            "1 while a consumer hygiene finding (label finding) is seen on the policy's queue",
+            findings.clone(),
+        );
         let broker_up = Family::default();
         registry.register(
             "broker_connection_up",
@@ -133,6 +147,7 @@ impl Default for Metrics {
             expected,
             waiting,
             gate_wait,
+            findings,
             broker_up,
             leader,
             queues: Mutex::default(),
@@ -164,6 +179,20 @@ impl Metrics {
         if let Some(dl) = &outcome.dead_letter_observation {
             set_opt(&self.dead_letter_ready, &self.queue_labels(policy, &dl.queue), dl.messages_ready);
         }
+        if let Some(report) = &outcome.findings {
+            for f in crate::crd::Finding::ALL {
+                let labels = FindingLabels {
+                    namespace: policy.namespace.clone(),
+                    policy: policy.policy.clone(),
+                    finding: f.as_str(),
+                };
+                match report.verdicts.iter().find(|v| v.finding == f) {
+                    Some(v) => drop(self.findings.get_or_create(&labels).set(v.seen.is_some().into())),
+                    // Silenced: no series.
+                    None => drop(self.findings.remove(&labels)),
+                }
+            }
+        }
         if let Some(gate) = &outcome.gate {
             self.attached.get_or_create(policy).set(gate.consumers.attached.into());
             self.expected.get_or_create(policy).set(gate.consumers.expected.into());
@@ -182,6 +211,14 @@ impl Metrics {
         }
         self.duration.remove(policy);
         self.gate_wait.remove(policy);
+        for f in crate::crd::Finding::ALL {
+            let labels = FindingLabels {
+                namespace: policy.namespace.clone(),
+                policy: policy.policy.clone(),
+                finding: f.as_str(),
+            };
+            self.findings.remove(&labels);
+        }
         let queues = self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(policy).unwrap_or_default();
         for labels in &queues {
             for family in [&self.messages_ready, &self.messages_unacked, &self.consumers, &self.dead_letter_ready] {

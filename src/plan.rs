@@ -59,6 +59,8 @@ pub struct QueuePlan {
     pub secret_name: String,
     /// The rollout gate, when spec.consumers names the consumers.
     pub gate: Option<GatePlan>,
+    /// Which hygiene findings are judged and how.
+    pub findings: crate::findings::Settings,
 }
 
 /// One rule a spec breaks, with the field it is about.
@@ -148,6 +150,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         check_consumers(&mut errors, consumers);
     }
     let attach_timeout = errors.duration("spec.gate.attachTimeout", &spec.gate.attach_timeout).unwrap_or_default();
+    let stall_after = errors.duration("spec.findings.stallAfter", &spec.findings.stall_after).unwrap_or_default();
 
     let secret_name = spec.broker.secret_ref.name.clone();
     if secret_name.is_empty() {
@@ -175,6 +178,12 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         },
         dead_letter_queue,
         keep_alive: q.keep_alive,
+        findings: crate::findings::Settings {
+            ignore: spec.findings.ignore.clone(),
+            stall_after,
+            expires: expires.unwrap_or_default(),
+            keep_alive: q.keep_alive,
+        },
         bindings,
         deletion: spec.deletion_policy,
         secret_name,

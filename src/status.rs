@@ -2,7 +2,8 @@
 //! reconcile [`Outcome`] and the previous status to the next one.
 
 use crate::crd::{
-    Binding, ConsumersObservation, DeadLetterObservation, QueueObservation, QueuePolicyStatus, RolloutObservation,
+    Binding, ConsumersObservation, DeadLetterObservation, Finding, PrefetchObservation, QueueObservation,
+    QueuePolicyStatus, RolloutObservation,
 };
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
@@ -168,6 +169,8 @@ pub struct Outcome {
     pub applied_bindings: Option<Vec<Binding>>,
     /// The rollout gate's verdicts, for policies with spec.consumers.
     pub gate: Option<GateReport>,
+    /// Consumer hygiene; None keeps the previous findings (not looked at this pass).
+    pub findings: Option<crate::findings::Report>,
 }
 
 /// What the rollout gate reports into status.
@@ -191,6 +194,7 @@ impl Outcome {
             broker_policy: None,
             applied_bindings: None,
             gate: None,
+            findings: None,
         }
     }
 
@@ -245,11 +249,12 @@ pub fn next_status(
     now: Timestamp,
 ) -> QueuePolicyStatus {
     let old = previous.cloned().unwrap_or_default();
-    let conditions = outcome
+    let mut conditions: Vec<Condition> = outcome
         .checks()
         .into_iter()
         .map(|(kind, check)| condition(&old.conditions, kind, &check, generation, now))
         .collect();
+    conditions.extend(finding_conditions(&old.conditions, outcome.findings.as_ref(), generation, now));
     QueuePolicyStatus {
         observed_generation: generation,
         conditions,
@@ -259,7 +264,52 @@ pub fn next_status(
         applied_bindings: outcome.applied_bindings.clone().unwrap_or(old.applied_bindings),
         consumers: outcome.gate.as_ref().map(|g| g.consumers.clone()),
         rollout: outcome.gate.as_ref().map(|g| g.rollout.clone()),
+        prefetch: match &outcome.findings {
+            Some(report) => report
+                .prefetch
+                .as_ref()
+                .map(|p| PrefetchObservation {
+                    suggested: i32::try_from(p.suggested).unwrap_or(i32::MAX),
+                    processing_millis: p.processing_ms.round() as i64,
+                    round_trip_millis: p.round_trip_ms.round() as i64,
+                })
+                .or(old.prefetch),
+            None => old.prefetch,
+        },
     }
+}
+
+/// One condition per finding judged, True while the habit is seen; without a fresh report the
+/// previous ones stay. Silenced findings have none.
+fn finding_conditions(
+    old: &[Condition],
+    report: Option<&crate::findings::Report>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    let Some(report) = report else {
+        return old.iter().filter(|c| Finding::ALL.iter().any(|f| f.as_str() == c.type_)).cloned().collect();
+    };
+    report
+        .verdicts
+        .iter()
+        .map(|v| {
+            let kind = v.finding.as_str();
+            let status = if v.seen.is_some() { "True" } else { "False" };
+            let since = old
+                .iter()
+                .find(|c| c.type_ == kind && c.status == status)
+                .map_or(Time(now), |c| c.last_transition_time.clone());
+            Condition {
+                type_: kind.into(),
+                status: status.into(),
+                reason: if v.seen.is_some() { kind.into() } else { "NotSeen".into() },
+                message: v.seen.clone().unwrap_or_else(|| "not seen at the last look".into()),
+                observed_generation: generation,
+                last_transition_time: since,
+            }
+        })
+        .collect()
 }
 
 fn condition(
@@ -307,6 +357,7 @@ mod tests {
             broker_policy: Some("queueguard.shop.orders".into()),
             applied_bindings: Some(vec![]),
             gate: None,
+            findings: None,
         }
     }
 
@@ -364,5 +415,35 @@ mod tests {
         assert_eq!((q.status.as_str(), q.reason.as_str()), ("Unknown", "BrokerUnreachable"));
         let ready = find(&s.conditions, ConditionType::Ready).unwrap();
         assert_eq!(ready.status, "False");
+    }
+
+    #[test]
+    fn findings_become_conditions_kept_between_looks_and_silenced_ones_vanish() {
+        use crate::findings::{Report, Verdict};
+        let mut outcome = ok_outcome();
+        outcome.findings = Some(Report {
+            verdicts: vec![
+                Verdict { finding: Finding::AutoAckConsumer, seen: Some("consumer 'x' uses auto-ack".into()) },
+                Verdict { finding: Finding::RequeueLoop, seen: None },
+            ],
+            prefetch: None,
+        });
+        let first = next_status(None, &outcome, Some(1), at(10));
+        let auto = first.conditions.iter().find(|c| c.type_ == "AutoAckConsumer").unwrap();
+        assert_eq!((auto.status.as_str(), auto.reason.as_str()), ("True", "AutoAckConsumer"));
+        let requeue = first.conditions.iter().find(|c| c.type_ == "RequeueLoop").unwrap();
+        assert_eq!((requeue.status.as_str(), requeue.reason.as_str()), ("False", "NotSeen"));
+        assert!(first.conditions.iter().all(|c| c.type_ != "StalledConsumers"), "not judged, no condition");
+        assert_eq!(
+            find(&first.conditions, ConditionType::Ready).unwrap().status,
+            "True",
+            "findings do not make it unready"
+        );
+
+        let between = next_status(Some(&first), &ok_outcome(), Some(1), at(20));
+        let kept: Vec<_> =
+            between.conditions.iter().filter(|c| c.type_ == "AutoAckConsumer" || c.type_ == "RequeueLoop").collect();
+        assert_eq!(kept.len(), 2, "a pass without a look keeps the findings");
+        assert_eq!(kept[0].last_transition_time, Time(at(10)));
     }
 }

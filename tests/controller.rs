@@ -180,7 +180,11 @@ async fn a_good_policy_is_declared_reported_ready_and_left_alone_when_nothing_ch
         (api, status)
     });
     let action = run(p.clone(), c).await.unwrap();
-    assert_eq!(action, Action::requeue(Duration::from_secs(300)));
+    assert_eq!(
+        action,
+        Action::requeue(controller::FINDINGS_EVERY),
+        "the findings look again before the lease needs renewing"
+    );
     let (mut api, status) = server.await.unwrap();
 
     // Second pass with that status in place: only the Secret is read; no patch, no Events.
@@ -315,6 +319,7 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
             .is_ready()
     );
     let (conn, ch) = app().await;
+    ch.basic_qos(10, Default::default()).await.unwrap();
     let consumer = ch
         .basic_consume(name.as_str().into(), "worker-ctag".into(), Default::default(), Default::default())
         .await

@@ -42,6 +42,20 @@ pub struct QueueInfo {
     pub consumers: Option<i64>,
     #[serde(default)]
     pub policy: Option<String>,
+    #[serde(default)]
+    pub message_stats: MessageStats,
+    /// When the queue last saw activity, while it is idle (`2026-12-03 7:41:20`, broker time).
+    #[serde(default)]
+    pub idle_since: Option<String>,
+}
+
+/// Cumulative message counters of a queue; absent until the first of each happens.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct MessageStats {
+    #[serde(default)]
+    pub ack: u64,
+    #[serde(default)]
+    pub redeliver: u64,
 }
 
 /// A RabbitMQ policy.

@@ -13,6 +13,7 @@ use crate::{
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
     events::{self, EventSpec},
+    findings,
     http::{Endpoints, Health},
     leader::LeaderElector,
     metrics::{Metrics, PolicyLabels},
@@ -54,6 +55,9 @@ pub const FINALIZER: &str = "queueguard.io/cleanup";
 /// The one field manager that owns `.status`.
 pub const FIELD_MANAGER: &str = "queueguard";
 const DELETION_RETRY: Duration = Duration::from_secs(30);
+/// How often the consumer hygiene findings look at a queue: short enough for counters to show
+/// trends, long enough that a thousand policies cost a few management API reads a second.
+pub const FINDINGS_EVERY: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -101,6 +105,8 @@ pub struct Context {
     /// (a consumer attached): re-declaring on every consumer event would load the broker for
     /// nothing and slow the gate down.
     converged: Mutex<HashMap<ObjectRef<QueuePolicy>, Converged>>,
+    /// What the findings remember between looks, and when each policy was last looked at.
+    looked: Mutex<HashMap<ObjectRef<QueuePolicy>, (findings::Memory, Instant)>>,
 }
 
 struct Converged {
@@ -122,6 +128,7 @@ impl Context {
             triggers,
             trigger_rx: Mutex::new(Some(rx)),
             converged: Mutex::default(),
+            looked: Mutex::default(),
         }
     }
 }
@@ -341,6 +348,12 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     };
 
     let mut recheck = None;
+    if let (Ok(plan), Some((broker, tracker))) = (&planned, &broker)
+        && outcome.queue.is_ok()
+    {
+        outcome.findings = look(ctx, &me, plan, broker, tracker.as_deref()).await;
+        recheck = Some(FINDINGS_EVERY);
+    }
     if let Ok(QueuePlan { gate: Some(gate_plan), queue, vhost, .. }) = &planned {
         let (queue_key, tracker) = match &broker {
             Some((b, t)) => (
@@ -352,7 +365,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         let pass = gate_io::run(policy, gate_plan, &queue_key, tracker, ctx).await?;
         outcome.gate = Some(pass.report);
         events.extend(pass.events);
-        recheck = pass.recheck_after;
+        recheck = [recheck, pass.recheck_after].into_iter().flatten().min();
     }
 
     ctx.metrics.observed(
@@ -366,6 +379,34 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     }
     let after = [reconcile::requeue_after(planned.as_ref().ok(), &outcome), recheck].into_iter().flatten().min();
     Ok(after.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// Consumer hygiene, at most every [`FINDINGS_EVERY`]; None keeps the previous findings.
+async fn look(
+    ctx: &Context,
+    me: &ObjectRef<QueuePolicy>,
+    plan: &QueuePlan,
+    broker: &crate::broker::Broker,
+    tracker: Option<&crate::consumers::ConsumerTracker>,
+) -> Option<findings::Report> {
+    let memory = {
+        let looked = ctx.looked.lock().unwrap_or_else(|p| p.into_inner());
+        match looked.get(me) {
+            Some((_, at)) if at.elapsed() < FINDINGS_EVERY => return None,
+            Some((memory, _)) => memory.clone(),
+            None => findings::Memory::default(),
+        }
+    };
+    let seen = match findings::observe::observe(plan, broker, tracker).await {
+        Ok(seen) => seen,
+        Err(why) => {
+            tracing::debug!(%why, "could not look at the queue's consumers");
+            return None;
+        }
+    };
+    let (memory, report) = findings::evaluate(&memory, &seen, &plan.findings);
+    ctx.looked.lock().unwrap_or_else(|p| p.into_inner()).insert(me.clone(), (memory, Instant::now()));
+    Some(report)
 }
 
 /// The broker-side outcome of this generation, if it is fresh enough to skip re-declaring.
@@ -394,6 +435,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     ctx.triggers.forget(&me);
     ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
     ctx.converged.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
+    ctx.looked.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
     let Ok(plan) = plan::plan(policy, ctx.limits) else {
         // Never declared anything from an invalid spec: nothing to clean.
         return Ok(Action::await_change());

@@ -1,0 +1,95 @@
+//! The broker side of the findings: one look at the queue, its dead-letter queue and its
+//! consumers. Management API reads and one passive exchange declare (for the round trip), none
+//! of which renews the queue's expiry lease.
+
+use super::{ConsumerView, Observation};
+use crate::{
+    broker::{Broker, management::QueueInfo},
+    consumers::{ConsumerTracker, QueueKey, tracker::now_ms},
+    plan::QueuePlan,
+};
+use k8s_openapi::jiff::{Timestamp, civil::DateTime, tz::TimeZone};
+use lapin::{ExchangeKind, options::ExchangeDeclareOptions, types::FieldTable};
+use std::time::Instant;
+
+/// Looks at the queue; Err says why it could not.
+pub async fn observe(
+    plan: &QueuePlan,
+    broker: &Broker,
+    tracker: Option<&ConsumerTracker>,
+) -> Result<Observation, String> {
+    let vhost = broker.vhost().to_owned();
+    let queue: QueueInfo = broker
+        .management
+        .queue(&vhost, &plan.queue)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("queue '{}' not found", plan.queue))?;
+    let dead_letter = broker.management.queue(&vhost, &plan.dead_letter_queue).await.ok().flatten();
+    let consumers = match tracker {
+        Some(t) => t
+            .consumers_on(&QueueKey::new(&vhost, &plan.queue))
+            .into_iter()
+            .map(|c| ConsumerView {
+                peer: c.peer_host.clone().unwrap_or_else(|| c.channel.clone()),
+                tag: c.tag,
+                prefetch: c.prefetch,
+                ack_required: c.ack_required,
+            })
+            .collect(),
+        None => broker
+            .management
+            .consumers()
+            .await
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .filter(|c| c.queue.name == plan.queue && c.queue.vhost == vhost)
+            .map(|c| ConsumerView {
+                peer: c.channel_details.peer_host.clone().unwrap_or_else(|| c.channel_details.name.clone()),
+                tag: c.consumer_tag,
+                prefetch: c.prefetch_count,
+                ack_required: c.ack_required,
+            })
+            .collect(),
+    };
+    Ok(Observation {
+        now_ms: now_ms(),
+        consumers,
+        ready: queue.messages_ready.unwrap_or_default(),
+        unacked: queue.messages_unacknowledged.unwrap_or_default(),
+        acks: queue.message_stats.ack,
+        redeliveries: queue.message_stats.redeliver,
+        idle_since_ms: queue.idle_since.as_deref().and_then(parse_broker_time),
+        dead_letter_ready: dead_letter.and_then(|q| q.messages_ready),
+        round_trip_ms: round_trip(broker).await,
+    })
+}
+
+/// One AMQP round trip: a passive declare of a built-in exchange.
+async fn round_trip(broker: &Broker) -> Option<f64> {
+    let channel = broker.amqp.channel().await.ok()?;
+    let started = Instant::now();
+    let options = ExchangeDeclareOptions { passive: true, ..Default::default() };
+    channel.exchange_declare("amq.direct".into(), ExchangeKind::Direct, options, FieldTable::default()).await.ok()?;
+    Some(started.elapsed().as_secs_f64() * 1000.0)
+}
+
+/// The management API's `idle_since`: `2026-12-03 7:41:20` in the broker's time zone (UTC in
+/// the usual container), or RFC 3339 in newer versions.
+pub fn parse_broker_time(text: &str) -> Option<i64> {
+    if let Ok(t) = text.parse::<Timestamp>() {
+        return Some(t.as_millisecond());
+    }
+    let dt = DateTime::strptime("%Y-%m-%d %H:%M:%S", text).ok()?;
+    Some(dt.to_zoned(TimeZone::UTC).ok()?.timestamp().as_millisecond())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn broker_times_parse_in_both_forms() {
+        assert_eq!(super::parse_broker_time("2026-12-03 7:41:20"), Some(1_796_283_680_000));
+        assert_eq!(super::parse_broker_time("2026-12-03T07:41:20Z"), Some(1_796_283_680_000));
+        assert_eq!(super::parse_broker_time("yesterday"), None);
+    }
+}
