@@ -1,0 +1,213 @@
+//! Each consumer hygiene finding made to happen on the real broker, seen by the operator's own
+//! look-and-judge code, and seen to clear once its cause goes. The broker's statistics refresh
+//! every 5 s, so each test waits on the finding rather than for a fixed time.
+
+mod common;
+
+use common::*;
+use futures::StreamExt;
+use lapin::{
+    Channel,
+    options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions},
+    types::FieldTable,
+};
+use queueguard::{
+    broker::{Broker, BrokerPool},
+    converge::{self, Mode},
+    crd::Finding,
+    findings::{self, Memory, Report},
+    plan::QueuePlan,
+};
+use std::{sync::Arc, time::Duration};
+
+/// The operator's look at one queue, remembered between looks as the controller does.
+struct Looker {
+    plan: QueuePlan,
+    broker: Arc<Broker>,
+    memory: Memory,
+    _pool: BrokerPool,
+}
+
+impl Looker {
+    async fn new(spec_queue: &str, findings_spec: &str) -> Self {
+        let name = unique("findings");
+        let policy = policy_doc(&name, &format!("queue: {{name: {name}, {spec_queue}}}\n  findings: {findings_spec}"));
+        let plan = plan_short(&policy);
+        let pool = BrokerPool::new(unique("findings-op"));
+        let broker = broker(&pool, &plan);
+        assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
+        Self { plan, broker, memory: Memory::default(), _pool: pool }
+    }
+
+    fn queue(&self) -> &str {
+        &self.plan.queue
+    }
+
+    async fn look(&mut self) -> Report {
+        let seen =
+            findings::observe::observe(&self.plan, &self.broker, None).await.expect("the queue can be looked at");
+        let (memory, report) = findings::evaluate(&self.memory, &seen, &self.plan.findings);
+        self.memory = memory;
+        report
+    }
+
+    /// Looks until the finding is seen (every second) or gone (every 6 s, so that each look
+    /// sees fresh statistics and a cleared finding is not just a stale sample), up to `within`.
+    async fn until(&mut self, finding: Finding, present: bool, within: Duration) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        let every = if present { Duration::from_secs(1) } else { Duration::from_secs(6) };
+        loop {
+            if !present {
+                tokio::time::sleep(every).await;
+            }
+            let report = self.look().await;
+            let verdict = report.verdicts.iter().find(|v| v.finding == finding).expect("judged").seen.clone();
+            if verdict.is_some() == present {
+                return verdict.or(Some(String::new()));
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{finding:?} never became {present} within {within:?}");
+            if present {
+                tokio::time::sleep(every).await;
+            }
+        }
+    }
+
+    async fn cleanup(self) {
+        remove_all(&self.plan).await;
+    }
+}
+
+const WAIT: Duration = Duration::from_secs(40);
+
+async fn consume(ch: &Channel, queue: &str, tag: &str, no_ack: bool) -> lapin::Consumer {
+    let options = BasicConsumeOptions { no_ack, ..Default::default() };
+    ch.basic_consume(queue.into(), tag.into(), options, FieldTable::default()).await.unwrap()
+}
+
+#[tokio::test]
+async fn prefetch_zero_and_auto_ack_consumers_are_seen_and_clear_when_they_leave() {
+    let mut looker = Looker::new("keepAlive: true", "{}").await;
+    let (_c1, greedy) = app().await;
+    let greedy_consumer = consume(&greedy, looker.queue(), "greedy-worker", false).await;
+    let (_c2, careless) = app().await;
+    careless.basic_qos(10, BasicQosOptions::default()).await.unwrap();
+    let careless_consumer = consume(&careless, looker.queue(), "careless-worker", true).await;
+
+    let unbounded = looker.until(Finding::UnboundedPrefetch, true, WAIT).await.unwrap();
+    assert!(unbounded.contains("'greedy-worker'") && !unbounded.contains("careless"), "{unbounded}");
+    let auto_ack = looker.until(Finding::AutoAckConsumer, true, WAIT).await.unwrap();
+    assert!(auto_ack.contains("'careless-worker'") && !auto_ack.contains("greedy"), "{auto_ack}");
+
+    drop((greedy_consumer, careless_consumer));
+    greedy.close(200, "done".into()).await.unwrap();
+    careless.close(200, "done".into()).await.unwrap();
+    looker.until(Finding::UnboundedPrefetch, false, WAIT).await;
+    looker.until(Finding::AutoAckConsumer, false, WAIT).await;
+    looker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_worker_that_never_acks_is_stalled_and_recovers_when_it_acks() {
+    let mut looker = Looker::new("keepAlive: true", "{stallAfter: 2s}").await;
+    publish(looker.queue(), (0..3).map(|i| format!("m{i}"))).await;
+    let (_conn, ch) = app().await;
+    ch.basic_qos(3, BasicQosOptions::default()).await.unwrap();
+    let mut hung = consume(&ch, looker.queue(), "hung-worker", false).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(hung.next().await.unwrap().unwrap());
+    }
+    let stalled = looker.until(Finding::StalledConsumers, true, WAIT).await.unwrap();
+    assert!(stalled.contains("prefetch limit (3)"), "{stalled}");
+
+    for delivery in held {
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    looker.until(Finding::StalledConsumers, false, WAIT).await;
+    looker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_poison_message_requeued_forever_is_a_requeue_loop_until_it_is_rejected() {
+    let mut looker = Looker::new("keepAlive: true", "{}").await;
+    publish(looker.queue(), ["poison".to_owned()]).await;
+    let (_conn, ch) = app().await;
+    ch.basic_qos(1, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = consume(&ch, looker.queue(), "retrying-worker", false).await;
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker = tokio::spawn(async move {
+        loop {
+            let delivery = consumer.next().await.unwrap().unwrap();
+            if stopped.try_recv().is_ok() {
+                // The fix: reject without requeue, so it dead-letters.
+                delivery.reject(BasicRejectOptions { requeue: false }).await.unwrap();
+                return;
+            }
+            delivery.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    let looping = looker.until(Finding::RequeueLoop, true, WAIT).await.unwrap();
+    assert!(looping.contains("requeue=false"), "{looping}");
+
+    stop.send(()).unwrap();
+    worker.await.unwrap();
+    looker.until(Finding::RequeueLoop, false, WAIT).await;
+    let dlq = looker.plan.dead_letter_queue.clone();
+    assert!(
+        eventually(WAIT, || async { counts(&dlq).await == Some((1, 0)) }).await,
+        "the poison message dead-lettered"
+    );
+    looker.cleanup().await;
+}
+
+#[tokio::test]
+async fn waiting_messages_in_an_unused_expiring_queue_are_at_risk_until_a_consumer_comes() {
+    // keepAlive false: only the queue's own use renews its lease. 20 s expiry, at risk after 10 s idle.
+    let mut looker = Looker::new("keepAlive: false, expires: 20s", "{}").await;
+    publish(looker.queue(), ["waiting".to_owned()]).await;
+    let risk = looker.until(Finding::ExpiryRisk, true, Duration::from_secs(18)).await.unwrap();
+    assert!(risk.contains("1 messages wait with no consumer"), "{risk}");
+
+    let (_conn, ch) = app().await;
+    ch.basic_qos(5, BasicQosOptions::default()).await.unwrap();
+    let _rescuer = consume(&ch, looker.queue(), "rescuer", false).await;
+    looker.until(Finding::ExpiryRisk, false, WAIT).await;
+    looker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_queue_that_keeps_growing_is_reported_and_clears_when_it_stops() {
+    let mut looker = Looker::new("keepAlive: true", "{}").await;
+    let (_conn, ch) = app().await;
+    let queue = looker.queue().to_owned();
+    // A steady trickle of failures: each rejected message dead-letters.
+    let failing = tokio::spawn(async move {
+        let mut consumer = consume(&ch, &queue, "failing-worker", false).await;
+        while let Some(Ok(delivery)) = consumer.next().await {
+            delivery.reject(BasicRejectOptions { requeue: false }).await.unwrap();
+        }
+    });
+    let queue = looker.queue().to_owned();
+    let publisher = tokio::spawn(async move {
+        for i in 0.. {
+            publish(&queue, [format!("order {i}")]).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    let mut grown = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while grown.is_none() {
+        assert!(tokio::time::Instant::now() < deadline, "DeadLetterGrowing never reported");
+        // Looks spaced past the 5 s statistics interval, as the controller's are.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let report = looker.look().await;
+        grown = report.verdicts.into_iter().find(|v| v.finding == Finding::DeadLetterGrowing).unwrap().seen;
+    }
+    assert!(grown.unwrap().contains("grown 3 looks in a row"));
+
+    publisher.abort();
+    looker.until(Finding::DeadLetterGrowing, false, WAIT).await;
+    failing.abort();
+    looker.cleanup().await;
+}
