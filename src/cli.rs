@@ -56,6 +56,35 @@ pub enum Command {
     /// duplicates, queue deletions and the longest gate wait; exit 0 when the guarded run lost
     /// nothing.
     Demo(DemoArgs),
+    /// Lint manifests before they reach a cluster: QueuePolicies, consumer Deployments and the
+    /// queueguard webhook, as `helm template` or `kubectl get -o yaml` print them.
+    ///
+    /// Reads every FILE (multi-document YAML, or a `kind: List`; - for stdin) together, so a
+    /// QueuePolicy in one file guards a Deployment in another, and reports what would lose
+    /// messages or stall rollouts: a policy the operator refuses, an unsafe rollout strategy, a
+    /// missing or never-opening readiness gate, an expiry shorter than a rollout, a dead-letter
+    /// queue that expires or loops, a minAttached that cannot be met. Each finding names its rule,
+    /// the object (kind namespace/name) and says why it is a problem and what to do. Objects
+    /// without a namespace count as one namespace; kinds it does not know are skipped.
+    #[command(after_long_help = crate::check::output::rules_help())]
+    Check(CheckArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CheckArgs {
+    /// Manifest files (multi-document YAML or a kind: List), - for stdin.
+    #[arg(value_name = "FILE", required = true)]
+    pub files: Vec<String>,
+    /// Output format: one line per finding, or a JSON array of
+    /// {rule, ruleName, severity, kind, namespace, name, message, file}.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = CheckOutput::Text)]
+    pub output: CheckOutput,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CheckOutput {
+    Text,
+    Json,
 }
 
 #[derive(clap::Args, Debug)]
@@ -225,6 +254,7 @@ pub fn main() -> ExitCode {
             Command::Apply(args) => apply(args).await,
             Command::Consumers(args) => consumers(args).await,
             Command::Demo(args) => demo(args).await,
+            Command::Check(args) => check(args),
             Command::Run(args) => match controller::run(args).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -341,6 +371,25 @@ async fn demo(args: DemoArgs) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+fn check(args: CheckArgs) -> ExitCode {
+    use crate::check::{self, output};
+    let (manifests, findings) = match check::run(&args.files) {
+        Ok(result) => result,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match args.output {
+        CheckOutput::Text => {
+            print!("{}", output::text(&findings));
+            eprintln!("{}", output::summary(&manifests, &findings));
+        }
+        CheckOutput::Json => println!("{}", output::json(&findings)),
+    }
+    if findings.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
 fn init_logging(format: LogFormat, default_level: &str) {

@@ -13,6 +13,7 @@
 //! thin adapters ([`broker`] for RabbitMQ, [`controller`] for Kubernetes).
 
 pub mod broker;
+pub mod check;
 pub mod cli;
 pub mod consumers;
 pub mod controller;

@@ -113,7 +113,10 @@ pub fn policies_for_pod(
     }
 }
 
-fn guards(policy: &QueuePolicy, deployment: &str, labels: &std::collections::BTreeMap<String, String>) -> bool {
+/// Whether `policy` guards the Deployment named `deployment` with `labels`: it names it in
+/// spec.consumers.deployment, or its spec.consumers.selector matches the labels (an empty
+/// selector matches nothing). The caller checks that both are in the same namespace.
+pub fn guards(policy: &QueuePolicy, deployment: &str, labels: &std::collections::BTreeMap<String, String>) -> bool {
     let Some(c) = &policy.spec.consumers else { return false };
     if c.deployment.as_deref() == Some(deployment) {
         return true;

@@ -1,0 +1,399 @@
+//! Reading manifests: multi-document YAML as `helm template` prints it (comment-only documents
+//! included), and `kind: List` (or `DeploymentList` and the like) as `kubectl get -o yaml` prints
+//! it, flattened. Kinds the rules do not use are skipped.
+//!
+//! Two passes over the same text: the first reads each document as a plain YAML value to learn
+//! the kind of every object; the second deserialises each object of a known kind straight from
+//! the YAML parser into its type, so a type error carries its line and column too.
+
+use super::{DeploymentDoc, Manifests, ObjectId, PolicyDoc, PolicyState};
+use crate::crd::{API_VERSION, QueuePolicy};
+use k8s_openapi::{api::apps::v1::Deployment, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+use serde::{
+    Deserialize, Deserializer,
+    de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor},
+};
+use serde_yaml_ng::Value;
+use std::fmt;
+
+/// Input that cannot be read: the file, and where the parser knows it, the line and column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadError {
+    pub file: String,
+    /// 1-based, within the file.
+    pub line: Option<usize>,
+    pub column: Option<usize>,
+    /// 1-based document of the file; 0 when the file as a whole is the problem.
+    pub document: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.line, self.column, self.document) {
+            (Some(line), Some(column), _) => write!(f, "{}: line {line}, column {column}: {}", self.file, self.message),
+            (_, _, 0) => write!(f, "{}: {}", self.file, self.message),
+            (_, _, document) => write!(f, "{}: document {document}: {}", self.file, self.message),
+        }
+    }
+}
+
+impl ReadError {
+    fn yaml(file: &str, document: usize, e: &serde_yaml_ng::Error) -> Self {
+        let location = e.location();
+        let mut message = e.to_string();
+        // The location is given separately: drop the parser's own " at line L column C" for it.
+        if let Some(l) = &location {
+            message = message.replacen(&format!(" at line {} column {}", l.line(), l.column()), "", 1);
+        }
+        Self {
+            file: file.to_owned(),
+            line: location.as_ref().map(|l| l.line()),
+            column: location.as_ref().map(|l| l.column()),
+            document,
+            message,
+        }
+    }
+}
+
+/// What an object (a document, or an item of a List) turned out to be in the first pass.
+#[derive(Debug, Clone, PartialEq)]
+enum Shape {
+    /// An empty or comment-only document.
+    Empty,
+    /// A Kubernetes object of a kind the rules do not use.
+    Other,
+    Policy,
+    UnservedPolicy {
+        api_version: String,
+        name: String,
+        namespace: Option<String>,
+    },
+    Deployment,
+    Webhook,
+    List(Vec<Shape>),
+    /// Not a Kubernetes object; the message says why.
+    NotAnObject(&'static str),
+}
+
+fn shape_of(value: &Value) -> Shape {
+    if value.is_null() {
+        return Shape::Empty;
+    }
+    if !value.is_mapping() {
+        return Shape::NotAnObject("not a Kubernetes object: expected a mapping with apiVersion and kind");
+    }
+    let text = |v: &Value, key: &str| v.get(key).and_then(Value::as_str).map(str::to_owned);
+    let Some(kind) = text(value, "kind") else {
+        return Shape::NotAnObject("not a Kubernetes object: kind is missing");
+    };
+    let api_version = text(value, "apiVersion").unwrap_or_default();
+    match kind.as_str() {
+        "QueuePolicy" if api_version == API_VERSION => Shape::Policy,
+        "QueuePolicy" if api_version.starts_with("queueguard.io/") => {
+            let metadata = value.get("metadata");
+            Shape::UnservedPolicy {
+                api_version,
+                name: metadata.and_then(|m| text(m, "name")).unwrap_or_default(),
+                namespace: metadata.and_then(|m| text(m, "namespace")),
+            }
+        }
+        "Deployment" if api_version == "apps/v1" => Shape::Deployment,
+        "MutatingWebhookConfiguration" if api_version.starts_with("admissionregistration.k8s.io/") => Shape::Webhook,
+        k if k == "List" || k.ends_with("List") => match value.get("items") {
+            Some(Value::Sequence(items)) => Shape::List(items.iter().map(shape_of).collect()),
+            Some(Value::Null) | None => Shape::List(vec![]),
+            Some(_) => Shape::NotAnObject("items of a List must be a sequence"),
+        },
+        _ => Shape::Other,
+    }
+}
+
+/// An object of a kind the rules use, before it is given its place among all inputs.
+enum Object {
+    Policy { policy: Box<QueuePolicy>, unknown_fields: Vec<String> },
+    Unserved { api_version: String, name: String, namespace: Option<String> },
+    Deployment(Box<Deployment>),
+    Webhook(Vec<String>),
+    Other,
+}
+
+/// Reads one file's text into `into`, after what earlier files gave. `file` names it in
+/// findings and errors.
+pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadError> {
+    let mut shapes = Vec::new();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let value = Value::deserialize(doc).map_err(|e| ReadError::yaml(file, i + 1, &e))?;
+        shapes.push(shape_of(&value));
+    }
+    let mut objects = Vec::new();
+    for (i, (doc, shape)) in serde_yaml_ng::Deserializer::from_str(text).zip(&shapes).enumerate() {
+        Seed { shape, out: &mut objects }.deserialize(doc).map_err(|e| ReadError::yaml(file, i + 1, &e))?;
+    }
+    for object in objects {
+        let position = into.objects;
+        into.objects += 1;
+        let id = |kind: &'static str, meta: &ObjectMeta| ObjectId {
+            kind,
+            namespace: meta.namespace.clone(),
+            name: meta.name.clone().unwrap_or_default(),
+            file: file.to_owned(),
+            position,
+        };
+        match object {
+            Object::Policy { policy, unknown_fields } => into.policies.push(PolicyDoc {
+                id: id("QueuePolicy", &policy.metadata),
+                state: PolicyState::Read { policy, unknown_fields },
+            }),
+            Object::Unserved { api_version, name, namespace } => into.policies.push(PolicyDoc {
+                id: ObjectId { kind: "QueuePolicy", namespace, name, file: file.to_owned(), position },
+                state: PolicyState::Unserved { api_version },
+            }),
+            Object::Deployment(d) => {
+                into.deployments.push(DeploymentDoc { id: id("Deployment", &d.metadata), deployment: *d })
+            }
+            Object::Webhook(names) => into.webhooks.extend(names),
+            Object::Other => {}
+        }
+    }
+    Ok(())
+}
+
+/// Reads a single text (tests, and callers with one input).
+pub fn read_str(file: &str, text: &str) -> Result<Manifests, ReadError> {
+    let mut manifests = Manifests::default();
+    read(file, text, &mut manifests)?;
+    Ok(manifests)
+}
+
+/// Deserialises one object of a known shape, appending what it holds to `out`.
+struct Seed<'s> {
+    shape: &'s Shape,
+    out: &'s mut Vec<Object>,
+}
+
+impl<'de> DeserializeSeed<'de> for Seed<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        let object = match self.shape {
+            Shape::Empty => {
+                IgnoredAny::deserialize(d)?;
+                return Ok(());
+            }
+            Shape::Other => {
+                IgnoredAny::deserialize(d)?;
+                Object::Other
+            }
+            Shape::NotAnObject(why) => return d.deserialize_any(Reject(why)),
+            Shape::Policy => {
+                let mut unknown_fields = Vec::new();
+                let policy: QueuePolicy = serde_ignored::deserialize(d, |path| unknown_fields.push(path.to_string()))?;
+                // Type metadata is no field of the struct, and status belongs to the operator.
+                unknown_fields.retain(|p| p != "apiVersion" && p != "kind" && !p.starts_with("status"));
+                Object::Policy { policy: Box::new(policy), unknown_fields }
+            }
+            Shape::UnservedPolicy { api_version, name, namespace } => {
+                IgnoredAny::deserialize(d)?;
+                Object::Unserved { api_version: api_version.clone(), name: name.clone(), namespace: namespace.clone() }
+            }
+            Shape::Deployment => Object::Deployment(Box::new(Deployment::deserialize(d)?)),
+            Shape::Webhook => {
+                let config = WebhookConfiguration::deserialize(d)?;
+                Object::Webhook(config.webhooks.unwrap_or_default().into_iter().map(|w| w.name).collect())
+            }
+            Shape::List(items) => return d.deserialize_map(ListVisitor { items, out: self.out }),
+        };
+        self.out.push(object);
+        Ok(())
+    }
+}
+
+/// Only what the rules need of a MutatingWebhookConfiguration: its webhooks' names.
+#[derive(Deserialize)]
+struct WebhookConfiguration {
+    #[serde(default)]
+    webhooks: Option<Vec<NamedWebhook>>,
+}
+
+#[derive(Deserialize)]
+struct NamedWebhook {
+    name: String,
+}
+
+/// Fails on a document that is no Kubernetes object, at the document's position.
+struct Reject(&'static str);
+
+impl<'de> Visitor<'de> for Reject {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a Kubernetes object (a mapping with apiVersion and kind)")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        Err(de::Error::custom(self.0))
+    }
+}
+
+/// A List: its `items`, each with the shape the first pass found.
+struct ListVisitor<'s> {
+    items: &'s [Shape],
+    out: &'s mut Vec<Object>,
+}
+
+impl<'de> Visitor<'de> for ListVisitor<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a List with items")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let ListVisitor { items, out } = self;
+        while let Some(key) = map.next_key::<Value>()? {
+            if key.as_str() == Some("items") {
+                map.next_value_seed(Items { items, out: &mut *out })?;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Items<'s> {
+    items: &'s [Shape],
+    out: &'s mut Vec<Object>,
+}
+
+impl<'de> DeserializeSeed<'de> for Items<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Items<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a sequence of Kubernetes objects")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let Items { items, out } = self;
+        let mut shapes = items.iter();
+        loop {
+            let shape = shapes.next().unwrap_or(&Shape::Other);
+            if seq.next_element_seed(Seed { shape, out: &mut *out })?.is_none() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: &str = "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {name: orders, namespace: shop}\nspec:\n  broker: {secretRef: {name: rabbitmq}}\n  queue: {name: orders}\n  consumers: {deployment: worker}\n";
+    const DEPLOYMENT: &str = "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: worker, namespace: shop}\nspec:\n  replicas: 2\n  selector: {matchLabels: {app: worker}}\n  template:\n    metadata: {labels: {app: worker}}\n    spec: {containers: [{name: worker, image: worker}]}\n";
+
+    #[test]
+    fn helm_template_output_with_comment_only_documents() {
+        let text = format!(
+            "---\n# Source: shop/templates/policy.yaml\n{POLICY}---\n# Source: shop/templates/empty.yaml\n---\n# Source: shop/templates/deploy.yaml\n{DEPLOYMENT}---\napiVersion: v1\nkind: Service\nmetadata: {{name: worker}}\n"
+        );
+        let m = read_str("chart.yaml", &text).unwrap();
+        assert_eq!(m.policies.len(), 1);
+        assert_eq!(m.deployments.len(), 1);
+        assert_eq!(m.objects, 3, "the Service counts as an object, the comment-only document does not");
+        let policy = &m.policies[0];
+        assert_eq!(policy.id.to_string(), "QueuePolicy shop/orders");
+        assert_eq!((policy.id.file.as_str(), policy.id.position), ("chart.yaml", 0));
+        assert_eq!(m.deployments[0].id.position, 1);
+        assert_eq!(m.deployments[0].deployment.spec.as_ref().unwrap().replicas, Some(2));
+    }
+
+    #[test]
+    fn lists_are_flattened_and_later_files_continue_the_positions() {
+        let indent = |doc: &str| doc.replace('\n', "\n    ");
+        let text = format!(
+            "apiVersion: v1\nkind: List\nmetadata: {{resourceVersion: ''}}\nitems:\n  - {}\n  - {}\n  - {{apiVersion: v1, kind: ConfigMap, metadata: {{name: c}}}}\n",
+            indent(DEPLOYMENT),
+            indent(POLICY)
+        );
+        let mut m = Manifests::default();
+        read("get.yaml", &text, &mut m).unwrap();
+        read("more.yaml", DEPLOYMENT, &mut m).unwrap();
+        assert_eq!(m.objects, 4);
+        assert_eq!(m.deployments.len(), 2);
+        assert_eq!(m.policies[0].id.position, 1);
+        assert_eq!((m.deployments[1].id.file.as_str(), m.deployments[1].id.position), ("more.yaml", 3));
+        let empty = read_str("e.yaml", "apiVersion: v1\nkind: List\nitems: []\n").unwrap();
+        assert_eq!((empty.objects, empty.deployments.len()), (0, 0));
+    }
+
+    #[test]
+    fn policy_unknown_fields_are_recorded_and_other_versions_are_unserved() {
+        let m = read_str("p.yaml", &POLICY.replace("consumers:", "consumer:")).unwrap();
+        let PolicyState::Read { unknown_fields, .. } = &m.policies[0].state else { panic!() };
+        assert_eq!(unknown_fields, &["spec.consumer"]);
+        let m = read_str("p.yaml", &POLICY.replace("v1alpha1", "v1beta1")).unwrap();
+        let PolicyState::Unserved { api_version } = &m.policies[0].state else { panic!() };
+        assert_eq!(api_version, "queueguard.io/v1beta1");
+        assert_eq!(m.policies[0].id.to_string(), "QueuePolicy shop/orders");
+        let foreign = read_str("p.yaml", &POLICY.replace("queueguard.io/v1alpha1", "example.com/v1")).unwrap();
+        assert_eq!((foreign.policies.len(), foreign.objects), (0, 1), "another group's QueuePolicy is not ours");
+    }
+
+    #[test]
+    fn webhook_names_are_collected() {
+        let text = "apiVersion: admissionregistration.k8s.io/v1\nkind: MutatingWebhookConfiguration\nmetadata: {name: queueguard}\nwebhooks: [{name: pods.queueguard.io, admissionReviewVersions: [v1], sideEffects: None}]\n";
+        assert_eq!(read_str("w.yaml", text).unwrap().webhooks, ["pods.queueguard.io"]);
+    }
+
+    #[test]
+    fn syntax_errors_name_the_line_in_the_file() {
+        // POLICY is lines 1-7, DEPLOYMENT 9-17; the third document starts on line 19.
+        let text = format!(
+            "{POLICY}---\n{DEPLOYMENT}---\napiVersion: v1\nkind: Service\nmetadata:\n  name: a\n   labels: x\n"
+        );
+        let err = read_str("bad.yaml", &text).unwrap_err();
+        assert_eq!((err.document, err.line, err.column), (3, Some(23), Some(10)), "{err}");
+        assert_eq!(err.to_string(), "bad.yaml: line 23, column 10: mapping values are not allowed in this context");
+        let err = read_str("bad.yaml", &format!("{POLICY}---\nkind: [unclosed\n")).unwrap_err();
+        assert_eq!(err.line, Some(10), "the end of the input, where the parser gave up: {err}");
+        assert_eq!(err.message, "did not find expected ',' or ']', while parsing a flow sequence at line 9 column 7");
+    }
+
+    #[test]
+    fn type_errors_name_the_line_and_the_field() {
+        let text = format!("{POLICY}---\n{}", DEPLOYMENT.replace("replicas: 2", "replicas: two"));
+        let err = read_str("bad.yaml", &text).unwrap_err();
+        assert_eq!((err.document, err.line, err.column), (2, Some(13), Some(13)), "{err}");
+        assert!(err.message.starts_with("spec.replicas: invalid type: string \"two\""), "{err}");
+        assert!(!err.message.contains("at line"), "the location is not repeated: {err}");
+        let policy = POLICY.replace("{deployment: worker}", "{deployment: worker, minAttached: lots}");
+        let err = read_str("p.yaml", &policy).unwrap_err();
+        assert_eq!(err.line, Some(7), "{err}");
+        assert!(err.message.starts_with("spec.consumers.minAttached: invalid type"), "{err}");
+    }
+
+    #[test]
+    fn documents_that_are_no_objects_are_errors_at_their_line() {
+        let err = read_str("values.yaml", &format!("{POLICY}---\nreplicaCount: 2\n")).unwrap_err();
+        assert_eq!(err.line, Some(9), "{err}");
+        assert_eq!(err.message, "not a Kubernetes object: kind is missing");
+        let err = read_str("list.yaml", "kind: List\nitems:\n  - {apiVersion: v1, kind: Service}\n  - just text\n")
+            .unwrap_err();
+        assert_eq!(err.line, Some(4), "{err}");
+        assert!(err.message.contains("expected a Kubernetes object"), "{err}");
+    }
+}

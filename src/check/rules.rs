@@ -1,0 +1,1087 @@
+//! The rules of `queueguard check`: pure functions from the objects read to findings. Each judges
+//! the way the operator would at run time, through the crate's own code: [`plan::plan`] for a
+//! policy, [`strategy::judge`] for a strategy, [`triggers::guards`] for which Deployments a
+//! policy guards.
+
+use super::{DeploymentDoc, Finding, Manifests, ObjectId, PolicyDoc, PolicyState, Severity};
+use crate::{
+    controller::triggers,
+    crd::{API_VERSION, GateMode, QueuePolicy},
+    duration::Human,
+    gate::{
+        GatePlan,
+        pods::GATE_CONDITION,
+        strategy::{self, Verdict},
+    },
+    plan::{self, Limits, QueuePlan},
+};
+use k8s_openapi::api::{apps::v1::Deployment, core::v1::PodSpec};
+use kube::ResourceExt;
+use std::time::Duration;
+
+/// The name of the operator's own mutating webhook, which adds the readiness gate to the pods of
+/// Deployments guarded in Enforce mode.
+pub const OPERATOR_WEBHOOK: &str = "pods.queueguard.io";
+
+/// Kubernetes' default `terminationGracePeriodSeconds`.
+const DEFAULT_TERMINATION_GRACE_SECONDS: i64 = 30;
+/// Kubernetes' probe defaults.
+const DEFAULT_PROBE_PERIOD_SECONDS: i64 = 10;
+const DEFAULT_PROBE_FAILURE_THRESHOLD: i64 = 3;
+
+/// Every rule, with a stable id and a kebab-case name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Rule {
+    InvalidPolicy,
+    UnsafeRolloutStrategy,
+    MissingReadinessGate,
+    GateNeverOpens,
+    ExpiresShorterThanRollout,
+    ExpiringDeadLetterQueue,
+    DeadLetterLoop,
+    MinAttachedExceedsReplicas,
+    ScaledToZeroQueueExpires,
+    DisruptionBudgetBlocksDrains,
+    DuplicateQueue,
+}
+
+impl Rule {
+    pub const ALL: [Rule; 11] = [
+        Rule::InvalidPolicy,
+        Rule::UnsafeRolloutStrategy,
+        Rule::MissingReadinessGate,
+        Rule::GateNeverOpens,
+        Rule::ExpiresShorterThanRollout,
+        Rule::ExpiringDeadLetterQueue,
+        Rule::DeadLetterLoop,
+        Rule::MinAttachedExceedsReplicas,
+        Rule::ScaledToZeroQueueExpires,
+        Rule::DisruptionBudgetBlocksDrains,
+        Rule::DuplicateQueue,
+    ];
+
+    pub fn id(self) -> &'static str {
+        match self {
+            Self::InvalidPolicy => "QG001",
+            Self::UnsafeRolloutStrategy => "QG002",
+            Self::MissingReadinessGate => "QG003",
+            Self::GateNeverOpens => "QG004",
+            Self::ExpiresShorterThanRollout => "QG005",
+            Self::ExpiringDeadLetterQueue => "QG006",
+            Self::DeadLetterLoop => "QG007",
+            Self::MinAttachedExceedsReplicas => "QG008",
+            Self::ScaledToZeroQueueExpires => "QG009",
+            Self::DisruptionBudgetBlocksDrains => "QG010",
+            Self::DuplicateQueue => "QG011",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::InvalidPolicy => "invalid-policy",
+            Self::UnsafeRolloutStrategy => "unsafe-rollout-strategy",
+            Self::MissingReadinessGate => "missing-readiness-gate",
+            Self::GateNeverOpens => "gate-never-opens",
+            Self::ExpiresShorterThanRollout => "expires-shorter-than-rollout",
+            Self::ExpiringDeadLetterQueue => "expiring-dead-letter-queue",
+            Self::DeadLetterLoop => "dead-letter-loop",
+            Self::MinAttachedExceedsReplicas => "min-attached-exceeds-replicas",
+            Self::ScaledToZeroQueueExpires => "scaled-to-zero-queue-expires",
+            Self::DisruptionBudgetBlocksDrains => "disruption-budget-blocks-drains",
+            Self::DuplicateQueue => "duplicate-queue",
+        }
+    }
+
+    /// One line on what the rule finds.
+    pub fn summary(self) -> &'static str {
+        match self {
+            Self::InvalidPolicy => {
+                "a QueuePolicy the operator refuses (its field errors), with fields its schema does not know, or of an unserved apiVersion"
+            }
+            Self::UnsafeRolloutStrategy => {
+                "a guarded Deployment whose strategy (Recreate, or maxUnavailable as Kubernetes resolves it) can take its consumers below minAttached"
+            }
+            Self::MissingReadinessGate => {
+                "a Deployment guarded in gate mode Enforce whose pod template lacks the readiness gate, with no queueguard webhook to add it"
+            }
+            Self::GateNeverOpens => {
+                "a pod template carrying the readiness gate while the only policies guarding it are in gate mode Observe: its pods never become Ready"
+            }
+            Self::ExpiresShorterThanRollout => {
+                "a queue's expires is shorter than an estimate of how long a rollout of its consumer Deployment can take"
+            }
+            Self::ExpiringDeadLetterQueue => {
+                "a dead-letter queue that another QueuePolicy declares as its own queue, and so gives an expiry"
+            }
+            Self::DeadLetterLoop => {
+                "a dead-letter exchange the queue is also bound from: dead letters route back into it"
+            }
+            Self::MinAttachedExceedsReplicas => {
+                "minAttached above the guarded Deployment's replicas: the gate and the PodDisruptionBudget can never be satisfied"
+            }
+            Self::ScaledToZeroQueueExpires => {
+                "keepAlive false and every consumer Deployment scaled to 0: the idle queue expires with its messages"
+            }
+            Self::DisruptionBudgetBlocksDrains => {
+                "minAttached equal to the guarded Deployment's replicas: its PodDisruptionBudget allows no eviction, node drains wait"
+            }
+            Self::DuplicateQueue => "two QueuePolicies declare the same queue on the same broker",
+        }
+    }
+
+    fn judge(self, f: &Facts) -> Vec<Finding> {
+        match self {
+            Self::InvalidPolicy => invalid_policy(f),
+            Self::UnsafeRolloutStrategy => unsafe_rollout_strategy(f),
+            Self::MissingReadinessGate => missing_readiness_gate(f),
+            Self::GateNeverOpens => gate_never_opens(f),
+            Self::ExpiresShorterThanRollout => expires_shorter_than_rollout(f),
+            Self::ExpiringDeadLetterQueue => expiring_dead_letter_queue(f),
+            Self::DeadLetterLoop => dead_letter_loop(f),
+            Self::MinAttachedExceedsReplicas => min_attached_exceeds_replicas(f),
+            Self::ScaledToZeroQueueExpires => scaled_to_zero_queue_expires(f),
+            Self::DisruptionBudgetBlocksDrains => disruption_budget_blocks_drains(f),
+            Self::DuplicateQueue => duplicate_queue(f),
+        }
+    }
+}
+
+/// Runs every rule; findings in input order of their objects, then by rule.
+pub fn check(manifests: &Manifests) -> Vec<Finding> {
+    let facts = Facts::new(manifests);
+    let mut findings: Vec<Finding> = Rule::ALL.iter().flat_map(|r| r.judge(&facts)).collect();
+    findings.sort_by_key(|f| (f.object.position, f.rule));
+    findings
+}
+
+/// A QueuePolicy that passed validation, and its plan.
+pub struct Planned<'a> {
+    pub doc: &'a PolicyDoc,
+    pub policy: &'a QueuePolicy,
+    pub plan: QueuePlan,
+}
+
+impl Planned<'_> {
+    fn name(&self) -> &str {
+        &self.doc.id.name
+    }
+
+    fn gate(&self) -> Option<&GatePlan> {
+        self.plan.gate.as_ref()
+    }
+
+    fn enforces(&self) -> bool {
+        self.gate().is_some_and(|g| g.mode == GateMode::Enforce)
+    }
+}
+
+/// What the rules share: the objects, the valid policies' plans, whether the operator's webhook
+/// is among the objects.
+pub struct Facts<'a> {
+    pub manifests: &'a Manifests,
+    pub planned: Vec<Planned<'a>>,
+    pub webhook: bool,
+}
+
+impl<'a> Facts<'a> {
+    pub fn new(manifests: &'a Manifests) -> Self {
+        let planned = manifests
+            .policies
+            .iter()
+            .filter_map(|doc| match &doc.state {
+                PolicyState::Read { policy, .. } => {
+                    plan::plan(policy, Limits::default()).ok().map(|plan| Planned { doc, policy, plan })
+                }
+                PolicyState::Unserved { .. } => None,
+            })
+            .collect();
+        let webhook = manifests.webhooks.iter().any(|w| w == OPERATOR_WEBHOOK);
+        Self { manifests, planned, webhook }
+    }
+
+    /// The Deployments among the objects that `p` guards, exactly as the operator picks them.
+    pub fn guarded(&self, p: &Planned) -> Vec<&'a DeploymentDoc> {
+        self.manifests.deployments.iter().filter(|d| d.id.namespace == p.doc.id.namespace && guards(p, d)).collect()
+    }
+
+    /// The valid policies among the objects that guard `d`.
+    pub fn guarding(&self, d: &DeploymentDoc) -> Vec<&Planned<'a>> {
+        self.planned.iter().filter(|p| d.id.namespace == p.doc.id.namespace && guards(p, d)).collect()
+    }
+}
+
+fn guards(p: &Planned, d: &DeploymentDoc) -> bool {
+    p.gate().is_some() && triggers::guards(p.policy, &d.id.name, d.deployment.labels())
+}
+
+fn finding(rule: Rule, severity: Severity, object: &ObjectId, message: String) -> Finding {
+    Finding { rule, severity, object: object.clone(), message }
+}
+
+fn has_gate(d: &Deployment) -> bool {
+    pod_spec(d)
+        .and_then(|s| s.readiness_gates.as_ref())
+        .is_some_and(|gates| gates.iter().any(|g| g.condition_type == GATE_CONDITION))
+}
+
+fn pod_spec(d: &Deployment) -> Option<&PodSpec> {
+    d.spec.as_ref().and_then(|s| s.template.spec.as_ref())
+}
+
+fn quoted_names<'p>(policies: impl IntoIterator<Item = &'p str>) -> String {
+    policies.into_iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+}
+
+/// QG001: what `plan::plan` refuses, fields the schema does not know, unserved versions.
+fn invalid_policy(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for doc in &f.manifests.policies {
+        let message = match &doc.state {
+            PolicyState::Unserved { api_version } => format!(
+                "apiVersion {api_version} is not served: queueguard's QueuePolicy is {API_VERSION}, so the API server refuses the object and no operator reads it. Use apiVersion: {API_VERSION}."
+            ),
+            PolicyState::Read { policy, unknown_fields } => {
+                let mut problems = Vec::new();
+                if let Err(errors) = plan::plan(policy, Limits::default()) {
+                    problems.push(format!(
+                        "the operator refuses it (condition InvalidSpec) and declares no queue: {}",
+                        plan::describe(&errors)
+                    ));
+                }
+                if !unknown_fields.is_empty() {
+                    problems.push(format!(
+                        "unknown field{} {}: kubectl's strict field validation refuses the object, and without it the API server drops the field and its default applies",
+                        if unknown_fields.len() > 1 { "s" } else { "" },
+                        unknown_fields.join(", ")
+                    ));
+                }
+                if problems.is_empty() {
+                    continue;
+                }
+                format!("{}. Fix the fields named.", problems.join("; "))
+            }
+        };
+        out.push(finding(Rule::InvalidPolicy, Severity::Error, &doc.id, message));
+    }
+    out
+}
+
+/// QG002: the strategy as the operator judges it, against the strictest policy guarding it.
+fn unsafe_rollout_strategy(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for d in &f.manifests.deployments {
+        let guarding = f.guarding(d);
+        let Some((p, gate)) = guarding.iter().filter_map(|p| Some((p, p.gate()?))).max_by_key(|(_, g)| g.min_attached)
+        else {
+            continue;
+        };
+        let (severity, message) = match strategy::judge(&d.deployment, gate.min_attached) {
+            Verdict::Safe { .. } => continue,
+            Verdict::Invalid(e) => (
+                Severity::Error,
+                format!(
+                    "its rollout strategy cannot be read ({e}), so nobody can tell how many consumers a rollout keeps (the operator reports UnsafeRolloutStrategy). Use an integer or a percentage such as 25%."
+                ),
+            ),
+            Verdict::Unsafe { why, patch } => {
+                let surge = match &patch["spec"]["strategy"]["rollingUpdate"]["maxSurge"] {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                let left = match strategy::fenceposts(&d.deployment) {
+                    Ok(Some(fp)) => (strategy::replicas(&d.deployment) - fp.max_unavailable).max(0),
+                    _ => 0,
+                };
+                let worst = match left {
+                    0 => "no consumer stays attached".to_owned(),
+                    1 => "only 1 consumer stays attached".to_owned(),
+                    n => format!("only {n} consumers stay attached"),
+                };
+                let fixer = guarding.iter().find(|p| p.enforces() && p.gate().is_some_and(|g| g.manage_strategy));
+                let (severity, note) = match fixer {
+                    Some(fixer) => (
+                        Severity::Warning,
+                        format!(
+                            " QueuePolicy '{}' has gate.manageStrategy on and patches the live Deployment, but every sync of this manifest (helm upgrade, GitOps) puts the unsafe strategy back until its next reconcile: fix it here.",
+                            fixer.name()
+                        ),
+                    ),
+                    None if gate.mode == GateMode::Enforce => (
+                        Severity::Error,
+                        format!(
+                            " Or set gate.manageStrategy: true in QueuePolicy '{}' to let the operator patch it.",
+                            p.name()
+                        ),
+                    ),
+                    None => (
+                        Severity::Error,
+                        " The policy's gate.mode is Observe, so the operator does not patch it.".to_owned(),
+                    ),
+                };
+                let message = format!(
+                    "{why} (QueuePolicy '{}' guards it with minAttached {}); at worst {worst} while the rollout runs. Set spec.strategy to type RollingUpdate with maxUnavailable: 0 and maxSurge: {surge}, so old pods go only as new ones have attached.{note}",
+                    p.name(),
+                    gate.min_attached
+                );
+                (severity, message)
+            }
+        };
+        out.push(finding(Rule::UnsafeRolloutStrategy, severity, &d.id, message));
+    }
+    out
+}
+
+/// QG003: Enforce mode without the readiness gate, and no webhook to add it.
+fn missing_readiness_gate(f: &Facts) -> Vec<Finding> {
+    if f.webhook {
+        return vec![];
+    }
+    let mut out = Vec::new();
+    for d in f.manifests.deployments.iter().filter(|d| !has_gate(&d.deployment)) {
+        let Some(p) = f.guarding(d).into_iter().find(|p| p.enforces()) else { continue };
+        out.push(finding(
+            Rule::MissingReadinessGate,
+            Severity::Error,
+            &d.id,
+            format!(
+                "QueuePolicy '{}' guards it in gate.mode Enforce, but its pod template has no readiness gate {GATE_CONDITION}: its pods turn Ready before their consumer attaches, so rollouts are not gated (the operator reports GateNotInstalled). Add readinessGates: [{{conditionType: {GATE_CONDITION}}}] to spec.template.spec, or install the operator's webhook (Helm value webhook.enabled: true, webhook {OPERATOR_WEBHOOK}), which adds it to new pods.",
+                p.name()
+            ),
+        ));
+    }
+    out
+}
+
+/// QG004: the readiness gate with nobody to set it.
+fn gate_never_opens(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for d in f.manifests.deployments.iter().filter(|d| has_gate(&d.deployment)) {
+        let guarding = f.guarding(d);
+        if guarding.is_empty() || guarding.iter().any(|p| p.enforces()) {
+            continue;
+        }
+        let names = quoted_names(guarding.iter().map(|p| p.name()));
+        let policies = if guarding.len() == 1 {
+            format!("QueuePolicy {names} guarding it is")
+        } else {
+            format!("QueuePolicies {names} guarding it are")
+        };
+        out.push(finding(
+            Rule::GateNeverOpens,
+            Severity::Error,
+            &d.id,
+            format!(
+                "its pod template carries the readiness gate {GATE_CONDITION}, but {policies} in gate.mode Observe, which never sets that condition: its pods would never become Ready, and every rollout would stall. Set gate.mode: Enforce, or remove the readiness gate from the pod template."
+            ),
+        ));
+    }
+    out
+}
+
+/// How long a rollout of a Deployment can take, as QG005 estimates it: each step replaces up to
+/// maxSurge pods (at least one; Recreate replaces all at once) and takes the old pod's
+/// termination grace period, the new pod's start-up and minAttachedSeconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RolloutEstimate {
+    pub replicas: i32,
+    /// None for Recreate.
+    pub max_surge: Option<i32>,
+    pub steps: u32,
+    pub termination: Duration,
+    pub start_up: Duration,
+    /// Where the start-up figure comes from.
+    pub start_up_from: String,
+    pub min_attached: Duration,
+}
+
+impl RolloutEstimate {
+    pub fn step(&self) -> Duration {
+        self.termination + self.start_up + self.min_attached
+    }
+
+    pub fn total(&self) -> Duration {
+        self.step() * self.steps
+    }
+}
+
+/// The estimate for `d` with the policy's minAttachedSeconds; None when nothing would roll
+/// (scaled to zero) or the strategy cannot be read.
+pub fn rollout_estimate(d: &Deployment, min_attached: Duration) -> Option<RolloutEstimate> {
+    let replicas = strategy::replicas(d);
+    if replicas <= 0 {
+        return None;
+    }
+    let max_surge = strategy::fenceposts(d).ok()?.map(|fp| fp.max_surge);
+    let steps = match max_surge {
+        Some(surge) => replicas.unsigned_abs().div_ceil(surge.max(1).unsigned_abs()),
+        None => 1,
+    };
+    let spec = pod_spec(d);
+    let grace = spec.and_then(|s| s.termination_grace_period_seconds).unwrap_or(DEFAULT_TERMINATION_GRACE_SECONDS);
+    let (start_up, start_up_from) = start_up(spec);
+    Some(RolloutEstimate {
+        replicas,
+        max_surge,
+        steps,
+        termination: secs(grace),
+        start_up: secs(start_up),
+        start_up_from,
+        min_attached,
+    })
+}
+
+fn secs(s: i64) -> Duration {
+    Duration::from_secs(u64::try_from(s).unwrap_or(0))
+}
+
+/// The slowest container's start-up: startupProbe initialDelaySeconds + periodSeconds ×
+/// failureThreshold, else readinessProbe initialDelaySeconds + periodSeconds, Kubernetes'
+/// defaults for unset fields.
+fn start_up(spec: Option<&PodSpec>) -> (i64, String) {
+    let mut slowest = (0, "no startup or readiness probe".to_owned());
+    for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
+        let field = |v: Option<i32>, default: i64| v.map_or(default, i64::from).max(0);
+        let (seconds, from) = if let Some(p) = &c.startup_probe {
+            let (delay, period) =
+                (field(p.initial_delay_seconds, 0), field(p.period_seconds, DEFAULT_PROBE_PERIOD_SECONDS));
+            let failures = field(p.failure_threshold, DEFAULT_PROBE_FAILURE_THRESHOLD);
+            (
+                delay + period * failures,
+                format!("startupProbe of container '{}': {delay}s + {failures} × {period}s", c.name),
+            )
+        } else if let Some(p) = &c.readiness_probe {
+            let (delay, period) =
+                (field(p.initial_delay_seconds, 0), field(p.period_seconds, DEFAULT_PROBE_PERIOD_SECONDS));
+            (delay + period, format!("readinessProbe of container '{}': {delay}s + {period}s", c.name))
+        } else {
+            continue;
+        };
+        if seconds > slowest.0 || slowest.1.starts_with("no ") {
+            slowest = (seconds, from);
+        }
+    }
+    slowest
+}
+
+/// QG005: expires against the rollout estimate of each guarded Deployment.
+fn expires_shorter_than_rollout(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in &f.planned {
+        let Some(gate) = p.gate() else { continue };
+        let expires = p.plan.settings.expires;
+        for d in f.guarded(p) {
+            let Some(est) = rollout_estimate(&d.deployment, gate.min_attached_for) else { continue };
+            let total = est.total();
+            if expires >= total {
+                continue;
+            }
+            let shape = match est.max_surge {
+                Some(surge) => format!(
+                    "{} step{} (replicas {}, maxSurge {surge})",
+                    est.steps,
+                    if est.steps == 1 { "" } else { "s" },
+                    est.replicas
+                ),
+                None => format!("1 step (Recreate replaces all {} at once)", est.replicas),
+            };
+            let (severity, lease) = lease(p.plan.keep_alive);
+            let advice = Duration::from_secs(total.as_secs().div_ceil(60).max(1) * 60);
+            out.push(finding(
+                Rule::ExpiresShorterThanRollout,
+                severity,
+                &p.doc.id,
+                format!(
+                    "queue '{}' expires after {} without consumers, but a rollout of Deployment '{}' may take about {}: {shape} of {} each ({} terminationGracePeriodSeconds + {} start-up ({}) + {} minAttachedSeconds). Should every consumer be gone that long (a stalled or unsafe rollout) {lease}, the broker deletes the queue and drops its messages without dead-lettering them. Set spec.queue.expires to at least {}.",
+                    p.plan.queue,
+                    Human(expires),
+                    d.id.name,
+                    Human(total),
+                    Human(est.step()),
+                    Human(est.termination),
+                    Human(est.start_up),
+                    est.start_up_from,
+                    Human(est.min_attached),
+                    Human(advice),
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// How bad an expiry is, and the clause saying when it strikes: with keepAlive the operator's
+/// declares renew the lease while it runs, so only an operator outage lets the queue expire.
+fn lease(keep_alive: bool) -> (Severity, &'static str) {
+    if keep_alive {
+        (Severity::Warning, "while the operator is down (keepAlive renews the lease only while it runs)")
+    } else {
+        (Severity::Error, "with keepAlive false, so that nothing renews the lease")
+    }
+}
+
+/// The broker a queue lives on, as far as manifests tell: the same Secret in the same namespace
+/// and the same vhost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Broker<'a> {
+    namespace: Option<&'a str>,
+    secret: &'a str,
+    vhost: Option<&'a str>,
+}
+
+fn broker_of<'a>(p: &'a Planned) -> Broker<'a> {
+    Broker { namespace: p.doc.id.namespace.as_deref(), secret: &p.plan.secret_name, vhost: p.plan.vhost.as_deref() }
+}
+
+/// Something among the objects that gives the queues it matches an expiry. A QueuePolicy gives
+/// one to its own queue; a pattern-matching resource becomes another variant, and QG006 then
+/// covers it with no other change.
+enum ExpirySource<'f, 'a> {
+    Policy(&'f Planned<'a>),
+}
+
+impl ExpirySource<'_, '_> {
+    fn all<'f, 'a>(f: &'f Facts<'a>) -> Vec<ExpirySource<'f, 'a>> {
+        f.planned.iter().map(ExpirySource::Policy).collect()
+    }
+
+    fn matches(&self, broker: &Broker, queue: &str) -> bool {
+        match self {
+            Self::Policy(p) => broker_of(p) == *broker && p.plan.queue == queue,
+        }
+    }
+
+    fn expires(&self) -> Duration {
+        match self {
+            Self::Policy(p) => p.plan.settings.expires,
+        }
+    }
+
+    fn object(&self) -> &ObjectId {
+        match self {
+            Self::Policy(p) => &p.doc.id,
+        }
+    }
+
+    /// Whether something renews the queue's lease while the operator runs.
+    fn kept_alive(&self) -> bool {
+        match self {
+            Self::Policy(p) => p.plan.keep_alive,
+        }
+    }
+
+    /// Why the queue expires, as a clause.
+    fn describe(&self) -> String {
+        match self {
+            Self::Policy(p) => format!("QueuePolicy '{}' declares it as its own queue", p.name()),
+        }
+    }
+
+    /// The other way out, as a clause.
+    fn alternative(&self) -> String {
+        match self {
+            Self::Policy(p) => format!("have QueuePolicy '{}' declare another queue", p.name()),
+        }
+    }
+}
+
+/// QG006: a dead-letter queue must keep its dead letters.
+fn expiring_dead_letter_queue(f: &Facts) -> Vec<Finding> {
+    let sources = ExpirySource::all(f);
+    let mut out = Vec::new();
+    for p in &f.planned {
+        let dlq = &p.plan.dead_letter_queue;
+        let broker = broker_of(p);
+        for s in sources.iter().filter(|s| s.object() != &p.doc.id && s.matches(&broker, dlq)) {
+            let expires = Human(s.expires());
+            let (severity, lease) = lease(s.kept_alive());
+            out.push(finding(
+                Rule::ExpiringDeadLetterQueue,
+                severity,
+                &p.doc.id,
+                format!(
+                    "its dead-letter queue '{dlq}' expires: {}, which gives it expires {expires}. Should nobody consume it for {expires} {lease}, the broker deletes the dead-letter queue, and with it every dead letter kept there for someone to look at. Give this policy a deadLetter.queue of its own, or {}.",
+                    s.describe(),
+                    s.alternative()
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// QG007: the dead-letter exchange is one the queue is bound from.
+fn dead_letter_loop(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in &f.planned {
+        let s = &p.plan.settings;
+        for b in p.plan.bindings.iter().filter(|b| b.exchange == s.dead_letter_exchange) {
+            out.push(finding(
+                Rule::DeadLetterLoop,
+                Severity::Error,
+                &p.doc.id,
+                format!(
+                    "its dead-letter exchange '{}' is also an exchange the queue is bound from (routing key '{}'): dead letters, republished there with routing key '{}', route straight back into '{}' wherever that binding matches them, so a rejected or expired message returns to the queue instead of resting in '{}'. Give the queue a dead-letter exchange of its own (the default is '{}.dlx').",
+                    s.dead_letter_exchange, b.routing_key, s.dead_letter_routing_key, p.plan.queue, p.plan.dead_letter_queue, p.plan.queue
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// The PodDisruptionBudget clause, when the operator keeps one (Enforce mode, podDisruptionBudget).
+fn keeps_pdb(p: &Planned) -> bool {
+    p.enforces() && p.gate().is_some_and(|g| g.pod_disruption_budget)
+}
+
+/// QG008: more consumers required than there are pods.
+fn min_attached_exceeds_replicas(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in &f.planned {
+        let Some(gate) = p.gate() else { continue };
+        let n = gate.min_attached;
+        let guarded = f.guarded(p);
+        let total: i32 = guarded.iter().map(|d| strategy::replicas(&d.deployment)).sum();
+        for d in guarded {
+            let r = strategy::replicas(&d.deployment);
+            if r <= 0 || r >= n {
+                continue;
+            }
+            let mut consequences = Vec::new();
+            if total < n {
+                consequences.push(format!(
+                    "the gate can never count {n} consumers attached (ConsumersAttached stays TooFewAttached)"
+                ));
+            }
+            if keeps_pdb(p) {
+                consequences.push(format!(
+                    "the PodDisruptionBudget the operator keeps for it (minAvailable: {n}) can never be met, so every node drain hangs on its pods"
+                ));
+            }
+            if consequences.is_empty() {
+                continue;
+            }
+            out.push(finding(
+                Rule::MinAttachedExceedsReplicas,
+                Severity::Error,
+                &p.doc.id,
+                format!(
+                    "minAttached {n} is more than the {r} replica{} of Deployment '{}': {}. Lower spec.consumers.minAttached to at most {r}, or run at least {n} replicas.",
+                    if r == 1 { "" } else { "s" },
+                    d.id.name,
+                    consequences.join(", and ")
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// QG009: keepAlive false and nobody consuming: the queue expires with its messages.
+fn scaled_to_zero_queue_expires(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in f.planned.iter().filter(|p| !p.plan.keep_alive) {
+        let guarded = f.guarded(p);
+        if guarded.is_empty() || guarded.iter().any(|d| strategy::replicas(&d.deployment) > 0) {
+            continue;
+        }
+        let names = quoted_names(guarded.iter().map(|d| d.id.name.as_str()));
+        out.push(finding(
+            Rule::ScaledToZeroQueueExpires,
+            Severity::Error,
+            &p.doc.id,
+            format!(
+                "its consumer Deployment {names} is scaled to 0 replicas and keepAlive is false: with no consumer and no declares the broker deletes queue '{}' {} after it goes idle, and drops its messages without dead-lettering them (publishing does not keep a queue alive). Scale the Deployment up, or set spec.queue.keepAlive: true so the operator's declares keep the queue as long as the QueuePolicy exists.",
+                p.plan.queue,
+                Human(p.plan.settings.expires)
+            ),
+        ));
+    }
+    out
+}
+
+/// QG010: a PodDisruptionBudget that allows no eviction.
+fn disruption_budget_blocks_drains(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in f.planned.iter().filter(|p| keeps_pdb(p)) {
+        let Some(gate) = p.gate() else { continue };
+        let n = gate.min_attached;
+        for d in f.guarded(p).into_iter().filter(|d| strategy::replicas(&d.deployment) == n) {
+            out.push(finding(
+                Rule::DisruptionBudgetBlocksDrains,
+                Severity::Warning,
+                &p.doc.id,
+                format!(
+                    "the PodDisruptionBudget the operator keeps for Deployment '{}' (minAvailable: minAttached {n}) equals its {n} replica{}, so it allows no eviction at all: node drains (kubectl drain, node upgrades, cluster-autoscaler scale-down) wait on these pods until someone scales up. Run at least {} replicas, or set gate.podDisruptionBudget: false if a drain may take the consumers below minAttached.",
+                    d.id.name,
+                    if n == 1 { "" } else { "s" },
+                    n + 1
+                ),
+            ));
+        }
+    }
+    out
+}
+
+/// QG011: one queue, two owners.
+fn duplicate_queue(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for (i, p) in f.planned.iter().enumerate() {
+        let broker = broker_of(p);
+        let Some(first) = f.planned[..i].iter().find(|q| q.plan.queue == p.plan.queue && broker_of(q) == broker) else {
+            continue;
+        };
+        let vhost = p.plan.vhost.as_deref().map(|v| format!(", vhost '{v}'")).unwrap_or_default();
+        out.push(finding(
+            Rule::DuplicateQueue,
+            Severity::Error,
+            &p.doc.id,
+            format!(
+                "it declares queue '{}' on the same broker as QueuePolicy '{}' (Secret '{}'{vhost}): RabbitMQ applies only one of their two operator policies to the queue (the other reports PolicyShadowed), and their settings, gates and deletion policies fight over one queue. Keep one QueuePolicy per queue.",
+                p.plan.queue,
+                first.name(),
+                p.plan.secret_name
+            ),
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::check::read::read_str;
+
+    const GATE: &str = "      readinessGates: [{conditionType: queueguard.io/consumer-attached}]\n";
+
+    /// A QueuePolicy `shop/<name>` reading Secret `rabbitmq`; `rest` is more of its spec.
+    fn policy(name: &str, queue: &str, rest: &str) -> String {
+        format!(
+            "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  broker: {{secretRef: {{name: rabbitmq}}}}\n  queue: {queue}\n{rest}---\n"
+        )
+    }
+
+    /// A policy guarding Deployment `worker`.
+    fn guarding(rest: &str) -> String {
+        policy("orders", "{name: orders}", &format!("  consumers: {{deployment: worker}}\n{rest}"))
+    }
+
+    /// A Deployment `shop/<name>` labelled tier: consumers; `spec` and `pod` are more of its spec
+    /// and its pod spec.
+    fn deployment(name: &str, spec: &str, pod: &str) -> String {
+        format!(
+            "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: {name}, namespace: shop, labels: {{tier: consumers}}}}\nspec:\n  selector: {{matchLabels: {{app: {name}}}}}\n{spec}  template:\n    metadata: {{labels: {{app: {name}}}}}\n    spec:\n      containers: [{{name: worker, image: worker}}]\n{pod}---\n"
+        )
+    }
+
+    /// A safe worker: 2 replicas, the default strategy (maxSurge 1, maxUnavailable 0), gated.
+    fn worker() -> String {
+        deployment("worker", "  replicas: 2\n", GATE)
+    }
+
+    fn findings(yaml: &str) -> Vec<Finding> {
+        check(&read_str("test.yaml", yaml).unwrap())
+    }
+
+    /// (rule id, object) of every finding.
+    fn found(yaml: &str) -> Vec<(&'static str, String)> {
+        findings(yaml).into_iter().map(|f| (f.rule.id(), f.object.to_string())).collect()
+    }
+
+    fn only(yaml: &str, rule: Rule) -> Finding {
+        let all = findings(yaml);
+        assert_eq!(all.len(), 1, "{all:#?}");
+        assert_eq!(all[0].rule, rule, "{all:#?}");
+        all.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn rules_have_unique_ids_and_kebab_case_names() {
+        let ids: std::collections::HashSet<_> = Rule::ALL.iter().map(|r| r.id()).collect();
+        assert_eq!(ids.len(), Rule::ALL.len());
+        for r in Rule::ALL {
+            assert!(r.id().starts_with("QG") && r.id().len() == 5, "{}", r.id());
+            assert!(r.name().chars().all(|c| c.is_ascii_lowercase() || c == '-'), "{}", r.name());
+        }
+    }
+
+    #[test]
+    fn a_guarded_safe_gated_worker_has_no_findings() {
+        assert_eq!(found(&(guarding("") + &worker())), vec![]);
+    }
+
+    #[test]
+    fn qg001_invalid_policies_carry_the_plans_field_errors() {
+        let f = only(&policy("orders", "{name: amq.orders, expires: 30s}", ""), Rule::InvalidPolicy);
+        assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
+        assert!(
+            f.message.contains("spec.queue.name: queue name \"amq.orders\" starts with 'amq.'")
+                && f.message.contains("spec.queue.expires: must be at least 1m"),
+            "{}",
+            f.message
+        );
+        let f = only(&policy("orders", "{name: orders, expire: 1h}", ""), Rule::InvalidPolicy);
+        assert!(f.message.starts_with("unknown field spec.queue.expire: kubectl's strict"), "{}", f.message);
+        let unserved = policy("orders", "{}", "").replace("v1alpha1", "v1");
+        assert!(only(&unserved, Rule::InvalidPolicy).message.starts_with("apiVersion queueguard.io/v1 is not served"));
+        assert_eq!(found(&policy("orders", "{name: orders, expires: 1h}", "")), vec![]);
+    }
+
+    #[test]
+    fn qg002_recreate_and_rolling_updates_that_drop_below_min_attached() {
+        let recreate = deployment("worker", "  replicas: 2\n  strategy: {type: Recreate}\n", GATE);
+        let f = only(&(guarding("  gate: {manageStrategy: false}\n") + &recreate), Rule::UnsafeRolloutStrategy);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Error, "Deployment shop/worker".into()));
+        assert!(f.message.starts_with("strategy Recreate stops every old pod"), "{}", f.message);
+        assert!(f.message.contains("at worst no consumer stays attached"), "{}", f.message);
+        assert!(f.message.contains("maxUnavailable: 0 and maxSurge: 1"), "{}", f.message);
+        assert!(f.message.contains("set gate.manageStrategy: true in QueuePolicy 'orders'"), "{}", f.message);
+
+        // 4 replicas, maxUnavailable 50% resolves to 2: below minAttached 3. The operator would
+        // patch it, so it is a warning; maxSurge 25% is kept.
+        let half = deployment(
+            "worker",
+            "  replicas: 4\n  strategy: {rollingUpdate: {maxSurge: 25%, maxUnavailable: 50%}}\n",
+            GATE,
+        );
+        let text = policy("orders", "{name: orders}", "  consumers: {deployment: worker, minAttached: 3}\n") + &half;
+        let f = only(&text, Rule::UnsafeRolloutStrategy);
+        assert_eq!(f.severity, Severity::Warning);
+        assert!(f.message.contains("maxUnavailable resolves to 2"), "{}", f.message);
+        assert!(f.message.contains("at worst only 2 consumers stay attached while the rollout runs"), "{}", f.message);
+        assert!(f.message.contains("maxSurge: 25%"), "{}", f.message);
+        assert!(f.message.contains("QueuePolicy 'orders' has gate.manageStrategy on"), "{}", f.message);
+
+        // Observe mode never patches.
+        let f =
+            only(&(guarding("  gate: {mode: Observe}\n") + &recreate.replace(GATE, "")), Rule::UnsafeRolloutStrategy);
+        assert!(f.message.contains("gate.mode is Observe"), "{}", f.message);
+
+        // Passing: maxUnavailable 0, or an unguarded Recreate Deployment.
+        let safe = deployment(
+            "worker",
+            "  replicas: 2\n  strategy: {rollingUpdate: {maxUnavailable: 0, maxSurge: 1}}\n",
+            GATE,
+        );
+        assert_eq!(found(&(guarding("") + &safe)), vec![]);
+        assert_eq!(found(&(guarding("") + &worker() + &recreate.replace("name: worker", "name: web"))), vec![]);
+    }
+
+    #[test]
+    fn qg002_an_unreadable_percentage_is_reported() {
+        let bad = deployment("worker", "  replicas: 2\n  strategy: {rollingUpdate: {maxSurge: lots}}\n", GATE);
+        let f = only(&(guarding("") + &bad), Rule::UnsafeRolloutStrategy);
+        assert!(f.message.starts_with("its rollout strategy cannot be read (maxSurge: invalid value"), "{}", f.message);
+    }
+
+    #[test]
+    fn qg003_enforce_mode_needs_the_readiness_gate_or_the_webhook() {
+        let bare = deployment("worker", "  replicas: 2\n", "");
+        let f = only(&(guarding("") + &bare), Rule::MissingReadinessGate);
+        assert_eq!(f.object.to_string(), "Deployment shop/worker");
+        assert!(f.message.contains("QueuePolicy 'orders' guards it in gate.mode Enforce"), "{}", f.message);
+        // Selected by label, not by name: the same.
+        let selecting = policy("orders", "{}", "  consumers: {selector: {matchLabels: {tier: consumers}}}\n");
+        assert_eq!(found(&(selecting + &bare)), vec![("QG003", "Deployment shop/worker".into())]);
+        // Passing: the operator's webhook is installed, or the policy only observes.
+        let webhook = "apiVersion: admissionregistration.k8s.io/v1\nkind: MutatingWebhookConfiguration\nmetadata: {name: queueguard}\nwebhooks: [{name: pods.queueguard.io}]\n";
+        assert_eq!(found(&(guarding("") + &bare + webhook)), vec![]);
+        let other_webhook = webhook.replace("pods.queueguard.io", "pods.example.com");
+        assert_eq!(found(&(guarding("") + &bare + &other_webhook)), vec![("QG003", "Deployment shop/worker".into())]);
+        assert_eq!(found(&(guarding("  gate: {mode: Observe}\n") + &bare)), vec![]);
+    }
+
+    #[test]
+    fn qg003_namespaces_must_match_and_absent_namespaces_match_each_other() {
+        let bare = deployment("worker", "  replicas: 2\n", "");
+        let elsewhere = bare.replace("namespace: shop", "namespace: web");
+        assert_eq!(found(&(guarding("") + &elsewhere)), vec![], "a policy guards its own namespace only");
+        let unnamespaced = (guarding("") + &bare).replace(", namespace: shop", "");
+        assert_eq!(found(&unnamespaced), vec![("QG003", "Deployment worker".into())]);
+        let half = guarding("") + &bare.replace(", namespace: shop", "");
+        assert_eq!(found(&half), vec![], "no namespace is not the policy's namespace");
+    }
+
+    #[test]
+    fn qg004_a_readiness_gate_under_observe_mode_never_opens() {
+        let f = only(&(guarding("  gate: {mode: Observe}\n") + &worker()), Rule::GateNeverOpens);
+        assert_eq!(f.object.to_string(), "Deployment shop/worker");
+        assert!(f.message.contains("QueuePolicy 'orders' guarding it is in gate.mode Observe"), "{}", f.message);
+        // Passing: another policy enforces, or no policy in the manifests guards it.
+        let second = policy("billing", "{name: billing}", "  consumers: {deployment: worker}\n");
+        assert_eq!(found(&(guarding("  gate: {mode: Observe}\n") + &second + &worker())), vec![]);
+        assert_eq!(found(&worker()), vec![]);
+        let two = guarding("  gate: {mode: Observe}\n")
+            + &second
+                .replace("consumers: {deployment: worker}", "consumers: {deployment: worker}\n  gate: {mode: Observe}")
+            + &worker();
+        let f = only(&two, Rule::GateNeverOpens);
+        assert!(
+            f.message.contains("QueuePolicies 'orders', 'billing' guarding it are in gate.mode Observe"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn qg005_expires_shorter_than_the_rollout_estimate() {
+        // 4 replicas, maxSurge 25% → 1: 4 steps of 60s grace + (10s + 6 × 5s startupProbe) + 20s.
+        let slow = deployment(
+            "worker",
+            "  replicas: 4\n",
+            "      terminationGracePeriodSeconds: 60\n      readinessGates: [{conditionType: queueguard.io/consumer-attached}]\n",
+        )
+        .replace(
+            "containers: [{name: worker, image: worker}]",
+            "containers: [{name: worker, image: worker, startupProbe: {initialDelaySeconds: 10, periodSeconds: 5, failureThreshold: 6, tcpSocket: {port: 80}}}]",
+        );
+        let text = policy(
+            "orders",
+            "{name: orders, expires: 5m, keepAlive: false}",
+            "  consumers: {deployment: worker, minAttachedSeconds: 20}\n",
+        ) + &slow;
+        let f = only(&text, Rule::ExpiresShorterThanRollout);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Error, "QueuePolicy shop/orders".into()));
+        assert!(f.message.starts_with("queue 'orders' expires after 5m without consumers, but a rollout of Deployment 'worker' may take about 8m: 4 steps (replicas 4, maxSurge 1) of 2m each (1m terminationGracePeriodSeconds + 40s start-up (startupProbe of container 'worker': 10s + 6 × 5s) + 20s minAttachedSeconds). Should every consumer be gone that long (a stalled or unsafe rollout) with keepAlive false, so that nothing renews the lease, the broker deletes the queue"), "{}", f.message);
+        assert!(f.message.ends_with("Set spec.queue.expires to at least 8m."), "{}", f.message);
+        // With keepAlive the operator renews the lease while it runs: a warning.
+        let kept = text.replace(", keepAlive: false", "");
+        assert_eq!(only(&kept, Rule::ExpiresShorterThanRollout).severity, Severity::Warning);
+        // Passing: expires above the estimate.
+        assert_eq!(found(&text.replace("expires: 5m", "expires: 9m")), vec![]);
+    }
+
+    #[test]
+    fn rollout_estimates_use_kubernetes_defaults_and_the_readiness_probe() {
+        let yaml = deployment("w", "  replicas: 3\n  strategy: {rollingUpdate: {maxSurge: 2}}\n", "").replace(
+            "containers: [{name: worker, image: worker}]",
+            "containers: [{name: a, image: a, readinessProbe: {initialDelaySeconds: 15, httpGet: {port: 80}}}, {name: b, image: b}]",
+        );
+        let m = read_str("t.yaml", &yaml).unwrap();
+        let est = rollout_estimate(&m.deployments[0].deployment, Duration::from_secs(5)).unwrap();
+        assert_eq!((est.steps, est.termination, est.start_up), (2, Duration::from_secs(30), Duration::from_secs(25)));
+        assert_eq!(est.start_up_from, "readinessProbe of container 'a': 15s + 10s");
+        assert_eq!(est.total(), Duration::from_secs(120));
+        let recreate =
+            read_str("t.yaml", &deployment("w", "  replicas: 5\n  strategy: {type: Recreate}\n", "")).unwrap();
+        let est = rollout_estimate(&recreate.deployments[0].deployment, Duration::ZERO).unwrap();
+        assert_eq!((est.steps, est.max_surge, est.total()), (1, None, Duration::from_secs(30)));
+        assert_eq!(est.start_up_from, "no startup or readiness probe");
+        let zero = read_str("t.yaml", &deployment("w", "  replicas: 0\n", "")).unwrap();
+        assert_eq!(rollout_estimate(&zero.deployments[0].deployment, Duration::ZERO), None);
+    }
+
+    #[test]
+    fn qg006_a_dead_letter_queue_another_policy_declares_expires() {
+        let orders = policy("orders", "{name: orders, deadLetter: {queue: parking}}", "");
+        let parking = policy("parking", "{name: parking, expires: 2h}", "");
+        let f = only(&(orders.clone() + &parking), Rule::ExpiringDeadLetterQueue);
+        assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
+        assert!(
+            f.message.starts_with("its dead-letter queue 'parking' expires: QueuePolicy 'parking' declares it as its own queue, which gives it expires 2h. Should nobody consume it for 2h while the operator is down"),
+            "{}",
+            f.message
+        );
+        assert!(f.message.ends_with("or have QueuePolicy 'parking' declare another queue."), "{}", f.message);
+        assert_eq!(f.severity, Severity::Warning, "parking's keepAlive renews the lease while the operator runs");
+        let unkept = parking.replace("expires: 2h", "expires: 2h, keepAlive: false");
+        let f = only(&(orders.clone() + &unkept), Rule::ExpiringDeadLetterQueue);
+        assert_eq!(f.severity, Severity::Error);
+        assert!(f.message.contains("for 2h with keepAlive false, so that nothing renews the lease"), "{}", f.message);
+        // Passing: another broker (Secret), or another vhost.
+        let other_broker = parking.replace("name: rabbitmq", "name: other");
+        assert_eq!(found(&(orders.clone() + &other_broker)), vec![]);
+        let other_vhost = parking.replace("secretRef: {name: rabbitmq}", "secretRef: {name: rabbitmq}, vhost: v2");
+        assert_eq!(found(&(orders + &other_vhost)), vec![]);
+        // The default dead-letter queue is '<queue>.dlq'.
+        let default_dlq = policy("orders", "{name: orders}", "") + &policy("dlq", "{name: orders.dlq}", "");
+        assert_eq!(found(&default_dlq), vec![("QG006", "QueuePolicy shop/orders".into())]);
+    }
+
+    #[test]
+    fn qg007_a_dead_letter_exchange_the_queue_is_bound_from_loops() {
+        let looping = policy(
+            "orders",
+            "{name: orders, deadLetter: {exchange: orders}, bindings: [{exchange: orders, routingKey: orders}]}",
+            "",
+        );
+        let f = only(&looping, Rule::DeadLetterLoop);
+        assert!(
+            f.message.starts_with("its dead-letter exchange 'orders' is also an exchange the queue is bound from (routing key 'orders'): dead letters, republished there with routing key 'orders', route straight back into 'orders'"),
+            "{}",
+            f.message
+        );
+        let separate = policy("orders", "{name: orders, bindings: [{exchange: orders, routingKey: orders}]}", "");
+        assert_eq!(found(&separate), vec![]);
+    }
+
+    #[test]
+    fn qg008_min_attached_above_replicas_can_never_be_met() {
+        let text = guarding("").replace("{deployment: worker}", "{deployment: worker, minAttached: 3}") + &worker();
+        let f = only(&text, Rule::MinAttachedExceedsReplicas);
+        assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
+        assert!(f.message.starts_with("minAttached 3 is more than the 2 replicas of Deployment 'worker': the gate can never count 3 consumers attached (ConsumersAttached stays TooFewAttached), and the PodDisruptionBudget the operator keeps for it (minAvailable: 3) can never be met"), "{}", f.message);
+        // Without the PDB, the gate clause alone.
+        let f = only(
+            &text.replace("  consumers:", "  gate: {podDisruptionBudget: false}\n  consumers:"),
+            Rule::MinAttachedExceedsReplicas,
+        );
+        assert!(!f.message.contains("PodDisruptionBudget"), "{}", f.message);
+        // Passing: minAttached 1 of 2 replicas.
+        assert_eq!(found(&(guarding("") + &worker())), vec![]);
+    }
+
+    #[test]
+    fn qg009_a_scaled_to_zero_consumer_lets_a_queue_without_keep_alive_expire() {
+        let zero = deployment("worker", "  replicas: 0\n", GATE);
+        let text = policy("orders", "{name: orders, keepAlive: false}", "  consumers: {deployment: worker}\n") + &zero;
+        let f = only(&text, Rule::ScaledToZeroQueueExpires);
+        assert!(f.message.starts_with("its consumer Deployment 'worker' is scaled to 0 replicas and keepAlive is false: with no consumer and no declares the broker deletes queue 'orders' 30m after it goes idle"), "{}", f.message);
+        // Passing: keepAlive renews the lease, or the Deployment runs.
+        assert_eq!(found(&text.replace(", keepAlive: false", "")), vec![]);
+        assert_eq!(found(&text.replace("replicas: 0", "replicas: 2")), vec![]);
+    }
+
+    #[test]
+    fn qg010_a_budget_equal_to_the_replicas_blocks_node_drains() {
+        let single = deployment("worker", "  replicas: 1\n", GATE);
+        let f = only(&(guarding("") + &single), Rule::DisruptionBudgetBlocksDrains);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Warning, "QueuePolicy shop/orders".into()));
+        assert!(f.message.contains("equals its 1 replica, so it allows no eviction at all"), "{}", f.message);
+        // Passing: no PDB, Observe mode (no PDB either; the gate is then removed), or 2 replicas.
+        assert_eq!(found(&(guarding("  gate: {podDisruptionBudget: false}\n") + &single)), vec![]);
+        assert_eq!(found(&(guarding("  gate: {mode: Observe}\n") + &single.replace(GATE, ""))), vec![]);
+        assert_eq!(found(&(guarding("") + &worker())), vec![]);
+    }
+
+    #[test]
+    fn qg011_two_policies_for_one_queue_on_one_broker() {
+        let text = policy("orders", "{name: orders}", "") + &policy("orders-again", "{name: orders}", "");
+        let f = only(&text, Rule::DuplicateQueue);
+        assert_eq!(f.object.to_string(), "QueuePolicy shop/orders-again");
+        assert!(
+            f.message.starts_with(
+                "it declares queue 'orders' on the same broker as QueuePolicy 'orders' (Secret 'rabbitmq')"
+            ),
+            "{}",
+            f.message
+        );
+        let elsewhere = policy("orders", "{name: orders}", "")
+            + &policy("orders-again", "{name: orders}", "").replace("namespace: shop", "namespace: web");
+        assert_eq!(found(&elsewhere), vec![]);
+    }
+
+    #[test]
+    fn findings_come_in_input_order_then_by_rule() {
+        let bare = deployment("worker", "  replicas: 1\n  strategy: {type: Recreate}\n", "");
+        let text = bare + &guarding("  gate: {manageStrategy: false}\n");
+        assert_eq!(
+            found(&text),
+            vec![
+                ("QG002", "Deployment shop/worker".into()),
+                ("QG003", "Deployment shop/worker".into()),
+                ("QG010", "QueuePolicy shop/orders".into())
+            ]
+        );
+    }
+}
