@@ -21,6 +21,8 @@ ENV CARGO_TERM_COLOR=never \
 # Dependencies first, against placeholder sources, so this layer is rebuilt only when
 # Cargo.toml or Cargo.lock change and not on every source edit.
 COPY Cargo.toml Cargo.lock ./
+# Cargo.toml names the benchmarks' sources, which must exist for any build.
+COPY benches ./benches
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     mkdir src \
     && echo 'fn main() {}' > src/main.rs \

@@ -42,8 +42,9 @@ pub enum Command {
     /// queues safely, gate rollouts of their consumers and report status; serve /metrics,
     /// /healthz, /readyz and, when asked, the admission webhook.
     Run(RunArgs),
-    /// Print the QueuePolicy CustomResourceDefinition as YAML (what crds/queuepolicy.yaml holds).
-    Crd,
+    /// Print the CustomResourceDefinitions as YAML: QueuePolicy (crds/queuepolicy.yaml) and
+    /// QueuePattern (crds/queuepattern.yaml), or the one --kind names.
+    Crd(CrdArgs),
     /// Local mode, no cluster: reconcile the broker side of every QueuePolicy in FILE and print
     /// each resulting status as YAML. Exit 0 when all are Ready, 1 when any is not, 2 when the
     /// input cannot be read.
@@ -85,6 +86,19 @@ pub struct CheckArgs {
 pub enum CheckOutput {
     Text,
     Json,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CrdArgs {
+    /// Only this resource's CRD.
+    #[arg(long, value_enum)]
+    pub kind: Option<CrdKind>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CrdKind {
+    QueuePolicy,
+    QueuePattern,
 }
 
 #[derive(clap::Args, Debug)]
@@ -247,8 +261,12 @@ pub fn main() -> ExitCode {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     runtime.block_on(async move {
         match cli.command {
-            Command::Crd => {
-                print!("{}", crate::crd::crd_yaml());
+            Command::Crd(args) => {
+                match args.kind {
+                    Some(CrdKind::QueuePolicy) => print!("{}", crate::crd::crd_yaml()),
+                    Some(CrdKind::QueuePattern) => print!("{}", crate::pattern::crd::crd_yaml()),
+                    None => print!("{}{}", crate::crd::crd_yaml(), crate::pattern::crd::crd_yaml()),
+                }
                 ExitCode::SUCCESS
             }
             Command::Apply(args) => apply(args).await,

@@ -27,6 +27,7 @@ pub mod http;
 pub mod leader;
 pub mod local;
 pub mod metrics;
+pub mod pattern;
 pub mod plan;
 pub mod rbac;
 pub mod reconcile;

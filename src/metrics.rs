@@ -48,6 +48,19 @@ struct FindingLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PatternLabels {
+    namespace: String,
+    pattern: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PatternFindingLabels {
+    namespace: String,
+    pattern: String,
+    finding: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BrokerLabels {
     broker: String,
 }
@@ -69,6 +82,11 @@ pub struct Metrics {
     waiting: Family<PolicyLabels, Gauge>,
     gate_wait: HistogramFamily<PolicyLabels>,
     findings: Family<FindingLabels, Gauge>,
+    pattern_queues: Family<PatternLabels, Gauge>,
+    pattern_orphaned: Family<PatternLabels, Gauge>,
+    pattern_created: Family<PatternLabels, Counter>,
+    pattern_deleted: Family<PatternLabels, Counter>,
+    pattern_findings: Family<PatternFindingLabels, Gauge>,
     broker_up: Family<BrokerLabels, Gauge>,
     leader: Gauge,
     /// The queue series of each policy, removed with it.
@@ -126,6 +144,24 @@ impl Default for Metrics {
             "1 while a consumer hygiene finding (label finding) is seen on the policy's queue",
             findings.clone(),
         );
+        let pattern_queues = Family::default();
+        registry.register("pattern_queues", "Queues matching a QueuePattern", pattern_queues.clone());
+        let pattern_orphaned = Family::default();
+        registry.register(
+            "pattern_orphaned_queues",
+            "Queues matching a QueuePattern that hold ready messages and have no consumer",
+            pattern_orphaned.clone(),
+        );
+        let pattern_created = Family::default();
+        registry.register("pattern_queues_created", "Matching queues seen appearing (churn)", pattern_created.clone());
+        let pattern_deleted = Family::default();
+        registry.register("pattern_queues_deleted", "Matching queues seen going away (churn)", pattern_deleted.clone());
+        let pattern_findings = Family::default();
+        registry.register(
+            "pattern_finding",
+            "1 while a QueuePattern finding (label finding) is seen",
+            pattern_findings.clone(),
+        );
         let broker_up = Family::default();
         registry.register(
             "broker_connection_up",
@@ -148,6 +184,11 @@ impl Default for Metrics {
             waiting,
             gate_wait,
             findings,
+            pattern_queues,
+            pattern_orphaned,
+            pattern_created,
+            pattern_deleted,
+            pattern_findings,
             broker_up,
             leader,
             queues: Mutex::default(),
@@ -224,6 +265,42 @@ impl Metrics {
             for family in [&self.messages_ready, &self.messages_unacked, &self.consumers, &self.dead_letter_ready] {
                 family.remove(labels);
             }
+        }
+    }
+
+    pub fn pattern_observed(&self, pattern: &PolicyLabels, report: &crate::pattern::WatchReport) {
+        let labels = PatternLabels { namespace: pattern.namespace.clone(), pattern: pattern.policy.clone() };
+        self.pattern_queues.get_or_create(&labels).set(report.queues.matching);
+        self.pattern_orphaned.get_or_create(&labels).set(report.queues.orphaned);
+        self.pattern_created.get_or_create(&labels).inc_by(report.queues.created.unsigned_abs());
+        self.pattern_deleted.get_or_create(&labels).inc_by(report.queues.deleted.unsigned_abs());
+        for f in crate::pattern::crd::PatternFinding::ALL {
+            let l = PatternFindingLabels {
+                namespace: labels.namespace.clone(),
+                pattern: labels.pattern.clone(),
+                finding: f.as_str(),
+            };
+            match report.verdicts.iter().find(|(v, _)| *v == f) {
+                Some((_, seen)) => drop(self.pattern_findings.get_or_create(&l).set(seen.is_some().into())),
+                None => drop(self.pattern_findings.remove(&l)),
+            }
+        }
+    }
+
+    pub fn forget_pattern(&self, pattern: &PolicyLabels) {
+        let labels = PatternLabels { namespace: pattern.namespace.clone(), pattern: pattern.policy.clone() };
+        for family in [&self.pattern_queues, &self.pattern_orphaned] {
+            family.remove(&labels);
+        }
+        self.pattern_created.remove(&labels);
+        self.pattern_deleted.remove(&labels);
+        for f in crate::pattern::crd::PatternFinding::ALL {
+            let l = PatternFindingLabels {
+                namespace: labels.namespace.clone(),
+                pattern: labels.pattern.clone(),
+                finding: f.as_str(),
+            };
+            self.pattern_findings.remove(&l);
         }
     }
 

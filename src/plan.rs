@@ -224,18 +224,18 @@ fn check_consumers(errors: &mut Errors, c: &ConsumersSpec) {
 }
 
 #[derive(Default)]
-struct Errors(Vec<FieldError>);
+pub(crate) struct Errors(Vec<FieldError>);
 
 impl Errors {
-    fn add(&mut self, field: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn add(&mut self, field: impl Into<String>, message: impl Into<String>) {
         self.0.push(FieldError { field: field.into(), message: message.into() });
     }
 
-    fn duration(&mut self, field: &str, value: &str) -> Option<Duration> {
+    pub(crate) fn duration(&mut self, field: &str, value: &str) -> Option<Duration> {
         duration::parse(value).map_err(|e| self.add(field, e.to_string())).ok()
     }
 
-    fn finish(self) -> Result<(), Vec<FieldError>> {
+    pub(crate) fn finish(self) -> Result<(), Vec<FieldError>> {
         if self.0.is_empty() { Ok(()) } else { Err(self.0) }
     }
 }

@@ -39,6 +39,9 @@ pub const RULES: &[Rule] = &[
     // blockOwnerDeletion, which clusters running OwnerReferencesPermissionEnforcement (OpenShift)
     // allow only to whoever may update the owner's finalizers.
     rule("queueguard.io", "queuepolicies/finalizers", &["update"]),
+    // QueuePatterns: the same, without owned objects.
+    rule("queueguard.io", "queuepatterns", &["get", "list", "watch", "patch"]),
+    rule("queueguard.io", "queuepatterns/status", &["patch"]),
     // The consumer Deployments: watched, read, and patched to a safe strategy.
     rule("apps", "deployments", &["get", "list", "watch", "patch"]),
     // Consumer pods: watched and listed; their gate condition written through pods/status.

@@ -21,9 +21,20 @@ pub const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 
 /// The shared endpoint for a plan's broker, or the condition that explains why there is none.
 pub fn connect(pool: &BrokerPool, plan: &QueuePlan, creds: &BrokerCredentials) -> Result<Arc<Broker>, Check> {
+    endpoint(pool, &plan.secret_name, plan.vhost.as_deref(), creds)
+}
+
+/// The shared endpoint for credentials from Secret `secret_name`, in `vhost` when given (else
+/// the URI's).
+pub fn endpoint(
+    pool: &BrokerPool,
+    secret_name: &str,
+    vhost: Option<&str>,
+    creds: &BrokerCredentials,
+) -> Result<Arc<Broker>, Check> {
     let uri = BrokerUri::parse(&creds.uri, creds.management_uri.as_deref())
-        .map_err(|e| Check::failed(Reason::InvalidBrokerUri, format!("Secret '{}' key {e}", plan.secret_name)))?;
-    let uri = match &plan.vhost {
+        .map_err(|e| Check::failed(Reason::InvalidBrokerUri, format!("Secret '{secret_name}' key {e}")))?;
+    let uri = match vhost {
         Some(vhost) => uri.with_vhost(vhost),
         None => uri,
     };

@@ -295,18 +295,9 @@ fn finding_conditions(
         .iter()
         .map(|v| {
             let kind = v.finding.as_str();
-            let status = if v.seen.is_some() { "True" } else { "False" };
-            let since = old
-                .iter()
-                .find(|c| c.type_ == kind && c.status == status)
-                .map_or(Time(now), |c| c.last_transition_time.clone());
-            Condition {
-                type_: kind.into(),
-                status: status.into(),
-                reason: if v.seen.is_some() { kind.into() } else { "NotSeen".into() },
-                message: v.seen.clone().unwrap_or_else(|| "not seen at the last look".into()),
-                observed_generation: generation,
-                last_transition_time: since,
+            match &v.seen {
+                Some(why) => condition_of(old, kind, "True", kind, why, generation, now),
+                None => condition_of(old, kind, "False", "NotSeen", "not seen at the last look", generation, now),
             }
         })
         .collect()
@@ -320,15 +311,28 @@ fn condition(
     now: Timestamp,
 ) -> Condition {
     let status = check.status.as_str();
+    condition_of(old, kind.as_str(), status, check.reason.as_str(), &check.message, generation, now)
+}
+
+/// A condition of any type; its lastTransitionTime moves only when its status flips.
+pub fn condition_of(
+    old: &[Condition],
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
     let since = old
         .iter()
-        .find(|c| c.type_ == kind.as_str() && c.status == status)
+        .find(|c| c.type_ == type_ && c.status == status)
         .map_or(Time(now), |c| c.last_transition_time.clone());
     Condition {
-        type_: kind.as_str().into(),
+        type_: type_.into(),
         status: status.into(),
-        reason: check.reason.as_str().into(),
-        message: check.message.clone(),
+        reason: reason.into(),
+        message: message.into(),
         observed_generation: generation,
         last_transition_time: since,
     }

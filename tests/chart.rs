@@ -95,9 +95,21 @@ fn round_trip<T: DeserializeOwned + Serialize>(doc: &Value) -> T {
 
 #[test]
 fn chart_crds_are_the_generated_ones() {
-    let top = std::fs::read(root().join("crds/queuepolicy.yaml")).unwrap();
-    let chart = std::fs::read(root().join("charts/queueguard/crds/queuepolicy.yaml")).unwrap();
-    assert!(top == chart, "charts/queueguard/crds/queuepolicy.yaml differs from crds/queuepolicy.yaml; copy it");
+    let names = |dir: &str| {
+        let mut files: Vec<String> = std::fs::read_dir(root().join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        files.sort();
+        files
+    };
+    assert_eq!(names("crds"), ["queuepattern.yaml", "queuepolicy.yaml"]);
+    assert_eq!(names("charts/queueguard/crds"), names("crds"), "the chart ships every CRD, and only those");
+    for file in names("crds") {
+        let top = std::fs::read(root().join("crds").join(&file)).unwrap();
+        let chart = std::fs::read(root().join("charts/queueguard/crds").join(&file)).unwrap();
+        assert!(top == chart, "charts/queueguard/crds/{file} differs from crds/{file}; copy it");
+    }
 }
 
 #[test]

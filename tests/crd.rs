@@ -48,6 +48,15 @@ fn committed_crd_matches_the_generator() {
 }
 
 #[test]
+fn committed_pattern_crd_matches_the_generator() {
+    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/queuepattern.yaml")).unwrap();
+    assert!(
+        committed == queueguard::pattern::crd::crd_yaml(),
+        "crds/queuepattern.yaml is stale: run `cargo run -- crd --kind queue-pattern > crds/queuepattern.yaml`"
+    );
+}
+
+#[test]
 fn every_spec_field_is_described_for_kubectl_explain() {
     fn walk(path: &str, schema: &Value, missing: &mut Vec<String>) {
         if let Some(props) = schema.get("properties").and_then(Value::as_object) {

@@ -49,6 +49,18 @@ pub struct QueueInfo {
     pub idle_since: Option<String>,
 }
 
+/// A queue in a listing.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct QueueSummary {
+    pub name: String,
+    #[serde(default)]
+    pub messages_ready: Option<i64>,
+    #[serde(default)]
+    pub consumers: Option<i64>,
+    #[serde(default)]
+    pub policy: Option<String>,
+}
+
 /// Cumulative message counters of a queue; absent until the first of each happens.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 pub struct MessageStats {
@@ -184,6 +196,14 @@ impl ManagementClient {
                 Some((r.get("name")?.as_str()?.to_owned(), r.get("user_provided_name")?.as_str()?.to_owned()))
             })
             .collect())
+    }
+
+    /// Every queue of a vhost with its ready messages, consumers and effective policy.
+    pub async fn queue_summaries(&self, vhost: &str) -> Result<Vec<QueueSummary>, ManagementError> {
+        Ok(self
+            .get_query(&["queues", vhost], "columns=name,messages_ready,consumers,policy")
+            .await?
+            .unwrap_or_default())
     }
 
     /// Names of the queues of a vhost.

@@ -3,6 +3,7 @@
 //! [`crate::events`]; this module only performs the I/O they call for.
 
 mod gate;
+pub mod pattern;
 pub mod triggers;
 
 use self::gate as gate_io;
@@ -17,6 +18,7 @@ use crate::{
     http::{Endpoints, Health},
     leader::LeaderElector,
     metrics::{Metrics, PolicyLabels},
+    pattern::crd::QueuePattern,
     plan::{self, Limits, QueuePlan},
     reconcile, secret,
     status::{Check, Outcome, Reason, next_status},
@@ -107,6 +109,8 @@ pub struct Context {
     converged: Mutex<HashMap<ObjectRef<QueuePolicy>, Converged>>,
     /// What the findings remember between looks, and when each policy was last looked at.
     looked: Mutex<HashMap<ObjectRef<QueuePolicy>, (findings::Memory, Instant)>>,
+    /// What the QueuePattern watch remembers between looks.
+    watched: pattern::Watched,
 }
 
 struct Converged {
@@ -129,6 +133,7 @@ impl Context {
             trigger_rx: Mutex::new(Some(rx)),
             converged: Mutex::default(),
             looked: Mutex::default(),
+            watched: Mutex::default(),
         }
     }
 }
@@ -257,19 +262,38 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
             health.set_synced();
         }
     });
-    Controller::for_stream(trigger, policy_store)
+    let patterns_api: Api<QueuePattern> = match &args.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let policies = Controller::for_stream(trigger, policy_store)
         .watches_stream(deployment_events, move |d| triggers::policies_for_deployment(&by_deployment, &d))
         .watches_stream(pod_events, move |p| triggers::policies_for_pod(&by_pod, &deployment_store, &p))
         .reconcile_on(consumer_changes)
         .shutdown_on_signal()
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile, error_policy, ctx.clone())
         .for_each(|result| async move {
             match result {
                 Ok((obj, _)) => tracing::debug!(policy = %obj, "reconciled"),
                 Err(e) => tracing::warn!(error = %e, "reconcile failed"),
             }
-        })
-        .await;
+        });
+    // Status-only updates of patterns must not wake them either.
+    let (pattern_store, pattern_writer) = reflector::store();
+    let pattern_trigger = watcher(patterns_api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .reflect(pattern_writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
+    let patterns = Controller::for_stream(pattern_trigger, pattern_store)
+        .shutdown_on_signal()
+        .run(pattern::reconcile, pattern::error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "QueuePattern reconcile failed");
+            }
+        });
+    futures::join!(policies, patterns);
 }
 
 #[tracing::instrument(skip_all, fields(policy = %format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())))]
@@ -375,7 +399,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let status = next_status(previous, &outcome, generation, Timestamp::now());
     write_status(policy, previous, status, ctx).await?;
     for event in &events {
-        publish(policy, ctx, event).await;
+        publish_for(policy, ctx, event).await;
     }
     let after = [reconcile::requeue_after(planned.as_ref().ok(), &outcome), recheck].into_iter().flatten().min();
     Ok(after.map_or_else(Action::await_change, Action::requeue))
@@ -445,7 +469,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             "queue '{}' and its settings stay on the broker (deletionPolicy Retain); x-expires removes it once unused",
             plan.queue
         );
-        publish(
+        publish_for(
             policy,
             ctx,
             &EventSpec { warning: false, reason: Reason::QueueRetained.as_str().into(), action: "Cleanup", note },
@@ -458,7 +482,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         Err(check) => {
             // Without credentials nothing can be checked, so nothing is deleted.
             let note = format!("queue '{}' left in place: {}", plan.queue, check.message);
-            publish(
+            publish_for(
                 policy,
                 ctx,
                 &EventSpec { warning: true, reason: Reason::QueueRetained.as_str().into(), action: "Cleanup", note },
@@ -469,7 +493,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     };
     match converge::delete(&plan, &broker).await {
         Cleanup::Deleted(note) => {
-            publish(
+            publish_for(
                 policy,
                 ctx,
                 &EventSpec { warning: false, reason: Reason::QueueDeleted.as_str().into(), action: "Cleanup", note },
@@ -500,11 +524,22 @@ async fn connect(
     ctx: &Context,
 ) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    let Some(found) = secrets.get_opt(&plan.secret_name).await? else {
-        return Ok(Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{}' not found", plan.secret_name))));
+    endpoint(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await
+}
+
+/// The broker endpoint whose credentials Secret `secret_name` holds, or the condition saying
+/// why not.
+pub(crate) async fn endpoint(
+    ctx: &Context,
+    ns: &str,
+    secret_name: &str,
+    vhost: Option<&str>,
+) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let Some(found) = secrets.get_opt(secret_name).await? else {
+        return Ok(Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{secret_name}' not found"))));
     };
-    Ok(secret::credentials(&found).and_then(|creds| reconcile::connect(&ctx.brokers, plan, &creds)))
+    Ok(secret::credentials(&found).and_then(|creds| reconcile::endpoint(&ctx.brokers, secret_name, vhost, &creds)))
 }
 
 /// Patches `.status` (server-side apply, one field manager) only when it changed, then publishes
@@ -524,13 +559,13 @@ async fn write_status(
     api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
     for event in events::transitions(old, &status.conditions) {
-        publish(policy, ctx, &event).await;
+        publish_for(policy, ctx, &event).await;
     }
     Ok(())
 }
 
 /// Publishes an Event; a failure is logged, never fatal to the reconcile.
-async fn publish(policy: &QueuePolicy, ctx: &Context, spec: &EventSpec) {
+pub(crate) async fn publish_for<K: Resource<DynamicType = ()>>(object: &K, ctx: &Context, spec: &EventSpec) {
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
         reason: spec.reason.clone(),
@@ -538,7 +573,7 @@ async fn publish(policy: &QueuePolicy, ctx: &Context, spec: &EventSpec) {
         action: spec.action.into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&event, &policy.object_ref(&())).await {
+    if let Err(e) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
         tracing::warn!(error = %e, reason = %spec.reason, "could not publish event");
     }
 }

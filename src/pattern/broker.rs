@@ -1,0 +1,68 @@
+//! A QueuePattern on the broker: its policy, and the queues it matches.
+
+use super::{PatternPlan, QueueSeen};
+use crate::{
+    broker::{
+        Broker,
+        management::{ManagementError, PolicyInfo},
+    },
+    status::{Check, Reason},
+};
+use regex::Regex;
+
+/// Puts the pattern's policy on the broker unless it is there already.
+pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
+    let vhost = broker.vhost().to_owned();
+    let desired = PolicyInfo {
+        name: plan.policy_name.clone(),
+        pattern: plan.pattern.clone(),
+        apply_to: "queues".into(),
+        priority: plan.priority,
+        definition: plan.definition.clone(),
+    };
+    let existing = match broker.management.policies(&vhost).await {
+        Ok(p) => p,
+        Err(e) => return failed(e),
+    };
+    if !existing.contains(&desired)
+        && let Err(e) = broker.management.put_policy(&vhost, &desired).await
+    {
+        return failed(e);
+    }
+    let keys: Vec<&str> = plan.definition.keys().map(String::as_str).collect();
+    Check::ok(
+        Reason::PolicyApplied,
+        format!("policy '{}' applies {} to queues matching {:?}", plan.policy_name, keys.join(", "), plan.pattern),
+    )
+}
+
+/// The queues the pattern matches now, and how many of them another policy governs instead
+/// (one with a higher priority, such as a QueuePolicy's own).
+pub async fn matching(plan: &PatternPlan, broker: &Broker) -> Result<(Vec<QueueSeen>, usize), ManagementError> {
+    let re = Regex::new(&plan.pattern).expect("validated by plan()");
+    let all = broker.management.queue_summaries(broker.vhost()).await?;
+    let matching: Vec<_> = all.into_iter().filter(|q| re.is_match(&q.name)).collect();
+    let elsewhere = matching.iter().filter(|q| q.policy.as_deref().is_some_and(|p| p != plan.policy_name)).count();
+    let seen = matching
+        .into_iter()
+        .map(|q| QueueSeen {
+            name: q.name,
+            ready: q.messages_ready.unwrap_or_default(),
+            consumers: q.consumers.unwrap_or_default(),
+        })
+        .collect();
+    Ok((seen, elsewhere))
+}
+
+/// Removes the pattern's policy; the queues stay, without its expiry.
+pub async fn remove_policy(plan: &PatternPlan, broker: &Broker) -> Result<(), ManagementError> {
+    broker.management.delete_policy(broker.vhost(), &plan.policy_name).await
+}
+
+fn failed(e: ManagementError) -> Check {
+    match e {
+        ManagementError::Unreachable { .. } => Check::unknown(Reason::BrokerUnreachable, e.to_string()),
+        ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
+        ManagementError::Rejected { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
+    }
+}
