@@ -74,6 +74,11 @@ pub async fn consumer_deployments(client: &kube::Client, ns: &str, plan: &GatePl
     }
     let Some(selector) = plan.consumers.selector.clone() else { return Ok(vec![]) };
     let selector = Selector::try_from(selector).map_err(|e| Error::InvalidSelector(e.to_string()))?;
+    if selector.selects_all() {
+        // An empty selector would be every Deployment of the namespace: it guards none, as in
+        // triggers::guards and the webhook.
+        return Ok(vec![]);
+    }
     Ok(api.list(&ListParams::default().labels_from(&selector)).await?.items)
 }
 

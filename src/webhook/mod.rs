@@ -7,6 +7,7 @@ pub mod certs;
 pub mod server;
 
 use crate::{
+    controller::triggers::guards,
     crd::{GateMode, QueuePolicy},
     gate::pods::GATE_CONDITION,
 };
@@ -15,10 +16,7 @@ use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
 use k8s_openapi::api::core::v1::Pod;
 use kube::{
     ResourceExt,
-    core::{
-        Selector, SelectorExt,
-        admission::{AdmissionRequest, AdmissionResponse, Operation},
-    },
+    core::admission::{AdmissionRequest, AdmissionResponse, Operation},
 };
 use serde_json::json;
 
@@ -30,21 +28,12 @@ pub fn enforcing<'a>(
     deployment: &str,
     labels: Option<&std::collections::BTreeMap<String, String>>,
 ) -> Vec<&'a QueuePolicy> {
+    let no_labels = std::collections::BTreeMap::new();
     policies
         .iter()
         .map(|p| &**p)
         .filter(|p| p.namespace().as_deref() == Some(namespace) && p.spec.gate.mode == GateMode::Enforce)
-        .filter(|p| {
-            let Some(c) = &p.spec.consumers else { return false };
-            if c.deployment.as_deref() == Some(deployment) {
-                return true;
-            }
-            let selector = c.selector.clone().and_then(|s| Selector::try_from(s).ok());
-            match (selector, labels) {
-                (Some(s), Some(labels)) => !s.selects_all() && s.matches(labels),
-                _ => false,
-            }
-        })
+        .filter(|p| guards(p, deployment, labels.unwrap_or(&no_labels)))
         .collect()
 }
 
