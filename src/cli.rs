@@ -57,16 +57,18 @@ pub enum Command {
     /// duplicates, queue deletions and the longest gate wait; exit 0 when the guarded run lost
     /// nothing.
     Demo(DemoArgs),
-    /// Lint manifests before they reach a cluster: QueuePolicies, consumer Deployments and the
-    /// queueguard webhook, as `helm template` or `kubectl get -o yaml` print them.
+    /// Lint manifests before they reach a cluster: QueuePolicies, QueuePatterns, consumer
+    /// Deployments and the queueguard webhook, as `helm template` or `kubectl get -o yaml` print
+    /// them.
     ///
     /// Reads every FILE (multi-document YAML, or a `kind: List`; - for stdin) together, so a
-    /// QueuePolicy in one file guards a Deployment in another, and reports what would lose
-    /// messages or stall rollouts: a policy the operator refuses, an unsafe rollout strategy, a
-    /// missing or never-opening readiness gate, an expiry shorter than a rollout, a dead-letter
-    /// queue that expires or loops, a minAttached that cannot be met. Each finding names its rule,
-    /// the object (kind namespace/name) and says why it is a problem and what to do. Objects
-    /// without a namespace count as one namespace; kinds it does not know are skipped.
+    /// QueuePolicy in one file guards a Deployment in another, and reports what would lose messages or
+    /// stall rollouts: a policy or pattern the operator refuses, an unsafe rollout strategy, a missing
+    /// or never-opening readiness gate, an expiry shorter than a rollout, a dead-letter queue that
+    /// expires (another QueuePolicy's queue, or matched by a QueuePattern) or loops, a minAttached that
+    /// cannot be met, a pattern not anchored with ^. Each finding names its rule, the object (kind
+    /// namespace/name) and says why it is a problem and what to do. Objects without a namespace count
+    /// as one namespace; kinds it does not know are skipped.
     #[command(after_long_help = crate::check::output::rules_help())]
     Check(CheckArgs),
 }

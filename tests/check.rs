@@ -124,6 +124,80 @@ fn json_output_is_an_array_of_findings_with_rule_object_and_file() {
 }
 
 #[test]
+fn queue_patterns_are_read_and_checked_with_the_policies() {
+    let patterns = fixture("patterns.yaml");
+    let out = check(&[&patterns], None);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let expect = |rule: &str, object: &str| (patterns.clone(), rule.to_owned(), object.to_owned());
+    assert_eq!(
+        lines(&out),
+        [
+            expect("error QG006 expiring-dead-letter-queue", "QueuePolicy shop/orders"),
+            expect("warning QG012 unanchored-pattern", "QueuePattern shop/order-queues"),
+        ]
+    );
+    let text = stdout(&out);
+    assert!(
+        text.contains(": QueuePolicy shop/orders: its dead-letter queue 'orders.dlq' expires: QueuePattern 'order-queues' matches it (pattern 'orders\\.', priority 0;"),
+        "{text}"
+    );
+    assert!(text.contains("which gives it expires 1h."), "{text}");
+    assert_eq!(
+        stderr(&out),
+        "2 findings (1 error, 1 warning) in 4 objects (1 QueuePolicy, 2 QueuePatterns, 1 Deployment)\n"
+    );
+
+    let out = check(&["-o", "json", &patterns], None);
+    let findings = json_of(&out);
+    let unanchored = findings.iter().find(|f| f["rule"] == "QG012").unwrap();
+    assert_eq!(
+        (&unanchored["kind"], &unanchored["namespace"], &unanchored["name"], &unanchored["severity"]),
+        (&json!("QueuePattern"), &json!("shop"), &json!("order-queues"), &json!("warning"))
+    );
+
+    // Anchored so that it leaves the dead-letter queue alone: clean.
+    let text = std::fs::read_to_string(&patterns).unwrap();
+    let anchored = text.replace(r"pattern: 'orders\.'", r"pattern: '^orders\.[0-9]+$'");
+    let out = check(&["-"], Some(&anchored));
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+
+    // An invalid QueuePattern and one of an unserved version are QG001, named as QueuePatterns.
+    let invalid = text
+        .replacen("queueguard.io/v1alpha1\nkind: QueuePattern", "queueguard.io/v1beta1\nkind: QueuePattern", 1)
+        .replace("expires: 1h", "expires: 1h\n  priority: 100");
+    let out = check(&["-o", "json", "-"], Some(&invalid));
+    let findings = json_of(&out);
+    let found: Vec<(&Value, &Value, &Value)> = findings.iter().map(|f| (&f["rule"], &f["kind"], &f["name"])).collect();
+    assert_eq!(
+        found,
+        [
+            (&json!("QG001"), &json!("QueuePattern"), &json!("replies")),
+            (&json!("QG001"), &json!("QueuePattern"), &json!("order-queues"))
+        ],
+        "an invalid pattern puts no policy on the broker: no QG006, no QG012"
+    );
+    assert!(
+        findings[0]["message"].as_str().unwrap().starts_with(
+            "apiVersion queueguard.io/v1beta1 is not served: queueguard's QueuePattern is queueguard.io/v1alpha1"
+        ),
+        "{findings:#?}"
+    );
+    assert!(
+        findings[1]["message"].as_str().unwrap().contains("spec.priority: must be between 0 and 99"),
+        "{findings:#?}"
+    );
+
+    // A wrongly typed field of a QueuePattern is unreadable input, with its line.
+    let out = check(&["-"], Some(&text.replace("maxLength: 1000", "maxLength: lots")));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).starts_with("error: <stdin>: line 32, column 14: spec.maxLength: invalid type"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn a_kubectl_list_read_from_stdin_is_flattened() {
     let list = std::fs::read_to_string(fixture("list.yaml")).unwrap();
     let out = check(&["-o", "json", "-"], Some(&list));

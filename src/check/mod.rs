@@ -1,22 +1,22 @@
 //! `queueguard check`: a linter for manifests. It reads what `helm template` or
-//! `kubectl get -o yaml` print, finds the QueuePolicies, consumer Deployments and the operator's
-//! webhook among them, and reports the mistakes that would lose messages or stall rollouts
-//! before anything reaches a cluster.
+//! `kubectl get -o yaml` print, finds the QueuePolicies, QueuePatterns, consumer Deployments and
+//! the operator's webhook among them, and reports the mistakes that would lose messages or stall
+//! rollouts before anything reaches a cluster.
 //!
 //! ```text
 //! files ──read::read──▶ Manifests ──rules::check──▶ Vec<Finding> ──output::{text, json}──▶ stdout
 //!                        (typed objects)   (pure, reuses plan, gate::strategy, triggers::guards)
 //! ```
 //!
-//! The rules judge exactly as the operator would: policies through [`crate::plan::plan`],
-//! strategies through [`crate::gate::strategy::judge`], which Deployments a policy guards through
-//! [`crate::controller::triggers::guards`].
+//! The rules judge exactly as the operator would: policies through [`crate::plan::plan`], patterns
+//! through [`crate::pattern::plan`], strategies through [`crate::gate::strategy::judge`], which
+//! Deployments a policy guards through [`crate::controller::triggers::guards`].
 
 pub mod output;
 pub mod read;
 pub mod rules;
 
-use crate::crd::QueuePolicy;
+use crate::{crd::QueuePolicy, pattern::crd::QueuePattern};
 use k8s_openapi::api::apps::v1::Deployment;
 use std::fmt;
 
@@ -60,6 +60,21 @@ pub enum PolicyState {
     Unserved { api_version: String },
 }
 
+/// A QueuePattern as read.
+#[derive(Debug, Clone)]
+pub struct PatternDoc {
+    pub id: ObjectId,
+    pub state: PatternState,
+}
+
+#[derive(Debug, Clone)]
+pub enum PatternState {
+    /// A `queueguard.io/v1alpha1` QueuePattern, with the paths of fields its schema does not know.
+    Read { pattern: Box<QueuePattern>, unknown_fields: Vec<String> },
+    /// A QueuePattern of another `queueguard.io` version, which the operator does not serve.
+    Unserved { api_version: String },
+}
+
 /// An `apps/v1` Deployment as read.
 #[derive(Debug, Clone)]
 pub struct DeploymentDoc {
@@ -71,6 +86,7 @@ pub struct DeploymentDoc {
 #[derive(Debug, Clone, Default)]
 pub struct Manifests {
     pub policies: Vec<PolicyDoc>,
+    pub patterns: Vec<PatternDoc>,
     pub deployments: Vec<DeploymentDoc>,
     /// Names of the webhooks of every MutatingWebhookConfiguration (`pods.queueguard.io` is the
     /// operator's own, which adds the readiness gate to guarded pods).

@@ -46,8 +46,13 @@ pub fn json(findings: &[Finding]) -> Value {
 /// A closing line for people: what was checked and how much was found.
 pub fn summary(manifests: &Manifests, findings: &[Finding]) -> String {
     let count = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    // QueuePatterns are counted only where there are any, so that the line reads as before.
+    let patterns = match manifests.patterns.len() {
+        0 => String::new(),
+        n => format!("{}, ", count(n, "QueuePattern")),
+    };
     let checked = format!(
-        "{} ({} QueuePolic{}, {})",
+        "{} ({} QueuePolic{}, {patterns}{})",
         count(manifests.objects, "object"),
         manifests.policies.len(),
         if manifests.policies.len() == 1 { "y" } else { "ies" },
@@ -132,5 +137,15 @@ mod tests {
             summary(&m, &sample()),
             "2 findings (1 error, 1 warning) in 3 objects (0 QueuePolicies, 0 Deployments)"
         );
+    }
+
+    #[test]
+    fn summary_counts_queue_patterns_only_when_there_are_some() {
+        let pattern = crate::check::PatternDoc {
+            id: sample()[0].object.clone(),
+            state: crate::check::PatternState::Unserved { api_version: "queueguard.io/v1".into() },
+        };
+        let m = Manifests { objects: 2, patterns: vec![pattern.clone(), pattern], ..Default::default() };
+        assert_eq!(summary(&m, &[]), "no findings in 2 objects (0 QueuePolicies, 2 QueuePatterns, 0 Deployments)");
     }
 }

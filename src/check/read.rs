@@ -1,13 +1,17 @@
 //! Reading manifests: multi-document YAML as `helm template` prints it (comment-only documents
 //! included), and `kind: List` (or `DeploymentList` and the like) as `kubectl get -o yaml` prints
-//! it, flattened. Kinds the rules do not use are skipped.
+//! it, flattened. Kinds the rules do not use are skipped. QueuePolicies and QueuePatterns are
+//! read typed, with the fields their schema does not know.
 //!
 //! Two passes over the same text: the first reads each document as a plain YAML value to learn
 //! the kind of every object; the second deserialises each object of a known kind straight from
 //! the YAML parser into its type, so a type error carries its line and column too.
 
-use super::{DeploymentDoc, Manifests, ObjectId, PolicyDoc, PolicyState};
-use crate::crd::{API_VERSION, QueuePolicy};
+use super::{DeploymentDoc, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState};
+use crate::{
+    crd::{API_VERSION, QueuePolicy},
+    pattern::crd::QueuePattern,
+};
 use k8s_openapi::{api::apps::v1::Deployment, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use serde::{
     Deserialize, Deserializer,
@@ -56,6 +60,30 @@ impl ReadError {
     }
 }
 
+/// The operator's own resources.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Custom {
+    Policy,
+    Pattern,
+}
+
+impl Custom {
+    fn of(kind: &str) -> Option<Self> {
+        match kind {
+            "QueuePolicy" => Some(Self::Policy),
+            "QueuePattern" => Some(Self::Pattern),
+            _ => None,
+        }
+    }
+
+    fn kind(self) -> &'static str {
+        match self {
+            Self::Policy => "QueuePolicy",
+            Self::Pattern => "QueuePattern",
+        }
+    }
+}
+
 /// What an object (a document, or an item of a List) turned out to be in the first pass.
 #[derive(Debug, Clone, PartialEq)]
 enum Shape {
@@ -64,7 +92,10 @@ enum Shape {
     /// A Kubernetes object of a kind the rules do not use.
     Other,
     Policy,
-    UnservedPolicy {
+    Pattern,
+    /// A queueguard resource of a `queueguard.io` version the operator does not serve.
+    Unserved {
+        kind: Custom,
         api_version: String,
         name: String,
         namespace: Option<String>,
@@ -88,16 +119,24 @@ fn shape_of(value: &Value) -> Shape {
         return Shape::NotAnObject("not a Kubernetes object: kind is missing");
     };
     let api_version = text(value, "apiVersion").unwrap_or_default();
-    match kind.as_str() {
-        "QueuePolicy" if api_version == API_VERSION => Shape::Policy,
-        "QueuePolicy" if api_version.starts_with("queueguard.io/") => {
+    if let Some(custom) = Custom::of(&kind) {
+        if api_version == API_VERSION {
+            return match custom {
+                Custom::Policy => Shape::Policy,
+                Custom::Pattern => Shape::Pattern,
+            };
+        }
+        if api_version.starts_with("queueguard.io/") {
             let metadata = value.get("metadata");
-            Shape::UnservedPolicy {
+            return Shape::Unserved {
+                kind: custom,
                 api_version,
                 name: metadata.and_then(|m| text(m, "name")).unwrap_or_default(),
                 namespace: metadata.and_then(|m| text(m, "namespace")),
-            }
+            };
         }
+    }
+    match kind.as_str() {
         "Deployment" if api_version == "apps/v1" => Shape::Deployment,
         "MutatingWebhookConfiguration" if api_version.starts_with("admissionregistration.k8s.io/") => Shape::Webhook,
         k if k == "List" || k.ends_with("List") => match value.get("items") {
@@ -112,7 +151,8 @@ fn shape_of(value: &Value) -> Shape {
 /// An object of a kind the rules use, before it is given its place among all inputs.
 enum Object {
     Policy { policy: Box<QueuePolicy>, unknown_fields: Vec<String> },
-    Unserved { api_version: String, name: String, namespace: Option<String> },
+    Pattern { pattern: Box<QueuePattern>, unknown_fields: Vec<String> },
+    Unserved { kind: Custom, api_version: String, name: String, namespace: Option<String> },
     Deployment(Box<Deployment>),
     Webhook(Vec<String>),
     Other,
@@ -145,10 +185,21 @@ pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadErro
                 id: id("QueuePolicy", &policy.metadata),
                 state: PolicyState::Read { policy, unknown_fields },
             }),
-            Object::Unserved { api_version, name, namespace } => into.policies.push(PolicyDoc {
-                id: ObjectId { kind: "QueuePolicy", namespace, name, file: file.to_owned(), position },
-                state: PolicyState::Unserved { api_version },
+            Object::Pattern { pattern, unknown_fields } => into.patterns.push(PatternDoc {
+                id: id("QueuePattern", &pattern.metadata),
+                state: PatternState::Read { pattern, unknown_fields },
             }),
+            Object::Unserved { kind, api_version, name, namespace } => {
+                let id = ObjectId { kind: kind.kind(), namespace, name, file: file.to_owned(), position };
+                match kind {
+                    Custom::Policy => {
+                        into.policies.push(PolicyDoc { id, state: PolicyState::Unserved { api_version } })
+                    }
+                    Custom::Pattern => {
+                        into.patterns.push(PatternDoc { id, state: PatternState::Unserved { api_version } })
+                    }
+                }
+            }
             Object::Deployment(d) => {
                 into.deployments.push(DeploymentDoc { id: id("Deployment", &d.metadata), deployment: *d })
             }
@@ -187,15 +238,21 @@ impl<'de> DeserializeSeed<'de> for Seed<'_> {
             }
             Shape::NotAnObject(why) => return d.deserialize_any(Reject(why)),
             Shape::Policy => {
-                let mut unknown_fields = Vec::new();
-                let policy: QueuePolicy = serde_ignored::deserialize(d, |path| unknown_fields.push(path.to_string()))?;
-                // Type metadata is no field of the struct, and status belongs to the operator.
-                unknown_fields.retain(|p| p != "apiVersion" && p != "kind" && !p.starts_with("status"));
+                let (policy, unknown_fields) = with_unknown_fields::<QueuePolicy, _>(d)?;
                 Object::Policy { policy: Box::new(policy), unknown_fields }
             }
-            Shape::UnservedPolicy { api_version, name, namespace } => {
+            Shape::Pattern => {
+                let (pattern, unknown_fields) = with_unknown_fields::<QueuePattern, _>(d)?;
+                Object::Pattern { pattern: Box::new(pattern), unknown_fields }
+            }
+            Shape::Unserved { kind, api_version, name, namespace } => {
                 IgnoredAny::deserialize(d)?;
-                Object::Unserved { api_version: api_version.clone(), name: name.clone(), namespace: namespace.clone() }
+                Object::Unserved {
+                    kind: *kind,
+                    api_version: api_version.clone(),
+                    name: name.clone(),
+                    namespace: namespace.clone(),
+                }
             }
             Shape::Deployment => Object::Deployment(Box::new(Deployment::deserialize(d)?)),
             Shape::Webhook => {
@@ -207,6 +264,15 @@ impl<'de> DeserializeSeed<'de> for Seed<'_> {
         self.out.push(object);
         Ok(())
     }
+}
+
+/// A queueguard resource, with the paths of the fields its schema does not know.
+fn with_unknown_fields<'de, T: Deserialize<'de>, D: Deserializer<'de>>(d: D) -> Result<(T, Vec<String>), D::Error> {
+    let mut unknown_fields = Vec::new();
+    let object: T = serde_ignored::deserialize(d, |path| unknown_fields.push(path.to_string()))?;
+    // Type metadata is no field of the struct, and status belongs to the operator.
+    unknown_fields.retain(|p| p != "apiVersion" && p != "kind" && !p.starts_with("status"));
+    Ok((object, unknown_fields))
 }
 
 /// Only what the rules need of a MutatingWebhookConfiguration: its webhooks' names.
@@ -351,6 +417,50 @@ mod tests {
         assert_eq!(m.policies[0].id.to_string(), "QueuePolicy shop/orders");
         let foreign = read_str("p.yaml", &POLICY.replace("queueguard.io/v1alpha1", "example.com/v1")).unwrap();
         assert_eq!((foreign.policies.len(), foreign.objects), (0, 1), "another group's QueuePolicy is not ours");
+    }
+
+    const PATTERN: &str = "apiVersion: queueguard.io/v1alpha1\nkind: QueuePattern\nmetadata: {name: replies, namespace: shop}\nspec:\n  broker: {secretRef: {name: rabbitmq}, vhost: shop}\n  pattern: '^rpc\\.reply\\.'\n  expires: 5m\n";
+
+    #[test]
+    fn patterns_are_read_typed_with_their_unknown_fields() {
+        let m = read_str("p.yaml", &format!("{POLICY}---\n{PATTERN}status: {{brokerPolicy: p, extra: 1}}\n")).unwrap();
+        assert_eq!((m.policies.len(), m.patterns.len(), m.objects), (1, 1, 2));
+        let pattern = &m.patterns[0];
+        assert_eq!(pattern.id.to_string(), "QueuePattern shop/replies");
+        assert_eq!((pattern.id.file.as_str(), pattern.id.position), ("p.yaml", 1));
+        let PatternState::Read { pattern, unknown_fields } = &pattern.state else { panic!() };
+        assert_eq!((pattern.spec.pattern.as_str(), pattern.spec.expires.as_str()), (r"^rpc\.reply\.", "5m"));
+        assert_eq!(pattern.spec.broker.vhost.as_deref(), Some("shop"));
+        assert_eq!(unknown_fields, &Vec::<String>::new(), "status belongs to the operator");
+
+        let m = read_str("p.yaml", &PATTERN.replace("expires:", "expiry:").replace("vhost:", "vHost:")).unwrap();
+        let PatternState::Read { unknown_fields, .. } = &m.patterns[0].state else { panic!() };
+        assert_eq!(unknown_fields, &["spec.broker.vHost", "spec.expiry"]);
+
+        // In a List, as kubectl prints it.
+        let list = format!("apiVersion: v1\nkind: List\nitems:\n  - {}\n", PATTERN.replace('\n', "\n    "));
+        assert_eq!(read_str("get.yaml", &list).unwrap().patterns[0].id.to_string(), "QueuePattern shop/replies");
+    }
+
+    #[test]
+    fn patterns_of_other_versions_are_unserved_and_other_groups_skipped() {
+        let m = read_str("p.yaml", &PATTERN.replace("v1alpha1", "v1")).unwrap();
+        let PatternState::Unserved { api_version } = &m.patterns[0].state else { panic!() };
+        assert_eq!(api_version, "queueguard.io/v1");
+        assert_eq!(m.patterns[0].id.to_string(), "QueuePattern shop/replies");
+        assert_eq!(m.policies.len(), 0, "an unserved QueuePattern is no QueuePolicy");
+        let foreign = read_str("p.yaml", &PATTERN.replace("queueguard.io/v1alpha1", "example.com/v1")).unwrap();
+        assert_eq!((foreign.patterns.len(), foreign.objects), (0, 1), "another group's QueuePattern is not ours");
+    }
+
+    #[test]
+    fn pattern_type_errors_name_the_line_and_the_field() {
+        let err = read_str("p.yaml", &format!("{POLICY}---\n{}", PATTERN.replace("expires: 5m", "priority: high")))
+            .unwrap_err();
+        assert_eq!((err.document, err.line, err.column), (2, Some(15), Some(13)), "{err}");
+        assert!(err.message.starts_with("spec.priority: invalid type: string \"high\""), "{err}");
+        let err = read_str("p.yaml", &PATTERN.replace("  pattern: '^rpc\\.reply\\.'\n", "")).unwrap_err();
+        assert!(err.message.contains("missing field `pattern`"), "{err}");
     }
 
     #[test]

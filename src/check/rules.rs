@@ -1,9 +1,9 @@
 //! The rules of `queueguard check`: pure functions from the objects read to findings. Each judges
 //! the way the operator would at run time, through the crate's own code: [`plan::plan`] for a
-//! policy, [`strategy::judge`] for a strategy, [`triggers::guards`] for which Deployments a
-//! policy guards.
+//! policy, [`pattern::plan`] for a pattern, [`strategy::judge`] for a strategy,
+//! [`triggers::guards`] for which Deployments a policy guards.
 
-use super::{DeploymentDoc, Finding, Manifests, ObjectId, PolicyDoc, PolicyState, Severity};
+use super::{DeploymentDoc, Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity};
 use crate::{
     controller::triggers,
     crd::{API_VERSION, GateMode, QueuePolicy},
@@ -13,7 +13,9 @@ use crate::{
         pods::GATE_CONDITION,
         strategy::{self, Verdict},
     },
-    plan::{self, Limits, QueuePlan},
+    pattern::{self, PatternPlan},
+    plan::{self, FieldError, Limits, QueuePlan},
+    settings::POLICY_PRIORITY,
 };
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::PodSpec};
 use kube::ResourceExt;
@@ -43,10 +45,11 @@ pub enum Rule {
     ScaledToZeroQueueExpires,
     DisruptionBudgetBlocksDrains,
     DuplicateQueue,
+    UnanchoredPattern,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 11] = [
+    pub const ALL: [Rule; 12] = [
         Rule::InvalidPolicy,
         Rule::UnsafeRolloutStrategy,
         Rule::MissingReadinessGate,
@@ -58,6 +61,7 @@ impl Rule {
         Rule::ScaledToZeroQueueExpires,
         Rule::DisruptionBudgetBlocksDrains,
         Rule::DuplicateQueue,
+        Rule::UnanchoredPattern,
     ];
 
     pub fn id(self) -> &'static str {
@@ -73,6 +77,7 @@ impl Rule {
             Self::ScaledToZeroQueueExpires => "QG009",
             Self::DisruptionBudgetBlocksDrains => "QG010",
             Self::DuplicateQueue => "QG011",
+            Self::UnanchoredPattern => "QG012",
         }
     }
 
@@ -89,6 +94,7 @@ impl Rule {
             Self::ScaledToZeroQueueExpires => "scaled-to-zero-queue-expires",
             Self::DisruptionBudgetBlocksDrains => "disruption-budget-blocks-drains",
             Self::DuplicateQueue => "duplicate-queue",
+            Self::UnanchoredPattern => "unanchored-pattern",
         }
     }
 
@@ -96,7 +102,7 @@ impl Rule {
     pub fn summary(self) -> &'static str {
         match self {
             Self::InvalidPolicy => {
-                "a QueuePolicy the operator refuses (its field errors), with fields its schema does not know, or of an unserved apiVersion"
+                "a QueuePolicy or QueuePattern the operator refuses (its field errors), with fields its schema does not know, or of an unserved apiVersion"
             }
             Self::UnsafeRolloutStrategy => {
                 "a guarded Deployment whose strategy (Recreate, or maxUnavailable as Kubernetes resolves it) can take its consumers below minAttached"
@@ -111,7 +117,7 @@ impl Rule {
                 "a queue's expires is shorter than an estimate of how long a rollout of its consumer Deployment can take"
             }
             Self::ExpiringDeadLetterQueue => {
-                "a dead-letter queue that another QueuePolicy declares as its own queue, and so gives an expiry"
+                "a dead-letter queue that another QueuePolicy declares as its own queue, or a QueuePattern's pattern matches, and so gives an expiry"
             }
             Self::DeadLetterLoop => {
                 "a dead-letter exchange the queue is also bound from: dead letters route back into it"
@@ -126,6 +132,9 @@ impl Rule {
                 "minAttached equal to the guarded Deployment's replicas: its PodDisruptionBudget allows no eviction, node drains wait"
             }
             Self::DuplicateQueue => "two QueuePolicies declare the same queue on the same broker",
+            Self::UnanchoredPattern => {
+                "a QueuePattern whose pattern does not start with ^: it matches anywhere in a queue name and may catch unrelated queues"
+            }
         }
     }
 
@@ -142,6 +151,7 @@ impl Rule {
             Self::ScaledToZeroQueueExpires => scaled_to_zero_queue_expires(f),
             Self::DisruptionBudgetBlocksDrains => disruption_budget_blocks_drains(f),
             Self::DuplicateQueue => duplicate_queue(f),
+            Self::UnanchoredPattern => unanchored_pattern(f),
         }
     }
 }
@@ -175,11 +185,24 @@ impl Planned<'_> {
     }
 }
 
-/// What the rules share: the objects, the valid policies' plans, whether the operator's webhook
-/// is among the objects.
+/// A QueuePattern that passed validation, and its plan.
+pub struct PlannedPattern<'a> {
+    pub doc: &'a PatternDoc,
+    pub plan: PatternPlan,
+}
+
+impl PlannedPattern<'_> {
+    fn name(&self) -> &str {
+        &self.doc.id.name
+    }
+}
+
+/// What the rules share: the objects, the valid policies' and patterns' plans, whether the
+/// operator's webhook is among the objects.
 pub struct Facts<'a> {
     pub manifests: &'a Manifests,
     pub planned: Vec<Planned<'a>>,
+    pub patterns: Vec<PlannedPattern<'a>>,
     pub webhook: bool,
 }
 
@@ -195,8 +218,18 @@ impl<'a> Facts<'a> {
                 PolicyState::Unserved { .. } => None,
             })
             .collect();
+        let patterns = manifests
+            .patterns
+            .iter()
+            .filter_map(|doc| match &doc.state {
+                PatternState::Read { pattern: p, .. } => {
+                    pattern::plan(p, Limits::default()).ok().map(|plan| PlannedPattern { doc, plan })
+                }
+                PatternState::Unserved { .. } => None,
+            })
+            .collect();
         let webhook = manifests.webhooks.iter().any(|w| w == OPERATOR_WEBHOOK);
-        Self { manifests, planned, webhook }
+        Self { manifests, planned, patterns, webhook }
     }
 
     /// The Deployments among the objects that `p` guards, exactly as the operator picks them.
@@ -232,19 +265,56 @@ fn quoted_names<'p>(policies: impl IntoIterator<Item = &'p str>) -> String {
     policies.into_iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
 }
 
-/// QG001: what `plan::plan` refuses, fields the schema does not know, unserved versions.
+/// What QG001 looks at in a QueuePolicy or a QueuePattern.
+enum Judged<'d> {
+    /// Of a `queueguard.io` version the operator does not serve.
+    Unserved(&'d str),
+    Read {
+        /// The plan's field errors, if it refuses the object.
+        errors: Option<Vec<FieldError>>,
+        /// What the operator then does not do.
+        refusal: &'static str,
+        unknown_fields: &'d [String],
+    },
+}
+
+/// QG001: what `plan::plan` or `pattern::plan` refuses, fields the schema does not know,
+/// unserved versions.
 fn invalid_policy(f: &Facts) -> Vec<Finding> {
+    let policies = f.manifests.policies.iter().map(|doc| {
+        let judged = match &doc.state {
+            PolicyState::Unserved { api_version } => Judged::Unserved(api_version),
+            PolicyState::Read { policy, unknown_fields } => Judged::Read {
+                errors: plan::plan(policy, Limits::default()).err(),
+                refusal: "declares no queue",
+                unknown_fields,
+            },
+        };
+        (&doc.id, judged)
+    });
+    let patterns = f.manifests.patterns.iter().map(|doc| {
+        let judged = match &doc.state {
+            PatternState::Unserved { api_version } => Judged::Unserved(api_version),
+            PatternState::Read { pattern: p, unknown_fields } => Judged::Read {
+                errors: pattern::plan(p, Limits::default()).err(),
+                refusal: "puts no policy on the broker",
+                unknown_fields,
+            },
+        };
+        (&doc.id, judged)
+    });
     let mut out = Vec::new();
-    for doc in &f.manifests.policies {
-        let message = match &doc.state {
-            PolicyState::Unserved { api_version } => format!(
-                "apiVersion {api_version} is not served: queueguard's QueuePolicy is {API_VERSION}, so the API server refuses the object and no operator reads it. Use apiVersion: {API_VERSION}."
+    for (id, judged) in policies.chain(patterns) {
+        let kind = id.kind;
+        let message = match judged {
+            Judged::Unserved(api_version) => format!(
+                "apiVersion {api_version} is not served: queueguard's {kind} is {API_VERSION}, so the API server refuses the object and no operator reads it. Use apiVersion: {API_VERSION}."
             ),
-            PolicyState::Read { policy, unknown_fields } => {
+            Judged::Read { errors, refusal, unknown_fields } => {
                 let mut problems = Vec::new();
-                if let Err(errors) = plan::plan(policy, Limits::default()) {
+                if let Some(errors) = errors {
                     problems.push(format!(
-                        "the operator refuses it (condition InvalidSpec) and declares no queue: {}",
+                        "the operator refuses it (condition InvalidSpec) and {refusal}: {}",
                         plan::describe(&errors)
                     ));
                 }
@@ -261,7 +331,7 @@ fn invalid_policy(f: &Facts) -> Vec<Finding> {
                 format!("{}. Fix the fields named.", problems.join("; "))
             }
         };
-        out.push(finding(Rule::InvalidPolicy, Severity::Error, &doc.id, message));
+        out.push(finding(Rule::InvalidPolicy, Severity::Error, id, message));
     }
     out
 }
@@ -532,40 +602,67 @@ fn broker_of<'a>(p: &'a Planned) -> Broker<'a> {
     Broker { namespace: p.doc.id.namespace.as_deref(), secret: &p.plan.secret_name, vhost: p.plan.vhost.as_deref() }
 }
 
-/// Something among the objects that gives the queues it matches an expiry. A QueuePolicy gives
-/// one to its own queue; a pattern-matching resource becomes another variant, and QG006 then
-/// covers it with no other change.
+fn pattern_broker_of<'a>(p: &'a PlannedPattern) -> Broker<'a> {
+    Broker { namespace: p.doc.id.namespace.as_deref(), secret: &p.plan.secret_name, vhost: p.plan.vhost.as_deref() }
+}
+
+/// Something among the objects that gives the queues it matches an expiry: a QueuePolicy its own
+/// queue (through its broker policy at priority 100, `^name$`), a QueuePattern every queue its
+/// pattern matches (through its broker policy at its priority, 0 to 99).
 enum ExpirySource<'f, 'a> {
     Policy(&'f Planned<'a>),
+    Pattern(&'f PlannedPattern<'a>),
 }
 
 impl ExpirySource<'_, '_> {
     fn all<'f, 'a>(f: &'f Facts<'a>) -> Vec<ExpirySource<'f, 'a>> {
-        f.planned.iter().map(ExpirySource::Policy).collect()
+        f.planned.iter().map(ExpirySource::Policy).chain(f.patterns.iter().map(ExpirySource::Pattern)).collect()
     }
 
     fn matches(&self, broker: &Broker, queue: &str) -> bool {
         match self {
             Self::Policy(p) => broker_of(p) == *broker && p.plan.queue == queue,
+            Self::Pattern(p) => pattern_broker_of(p) == *broker && pattern::matches(&p.plan.pattern, queue),
+        }
+    }
+
+    /// The priority of its broker policy: RabbitMQ applies only the highest-priority policy
+    /// matching a queue.
+    fn priority(&self) -> i64 {
+        match self {
+            Self::Policy(_) => POLICY_PRIORITY,
+            Self::Pattern(p) => p.plan.priority,
         }
     }
 
     fn expires(&self) -> Duration {
         match self {
             Self::Policy(p) => p.plan.settings.expires,
+            Self::Pattern(p) => pattern::expires(&p.plan),
         }
     }
 
     fn object(&self) -> &ObjectId {
         match self {
             Self::Policy(p) => &p.doc.id,
+            Self::Pattern(p) => &p.doc.id,
         }
     }
 
-    /// Whether something renews the queue's lease while the operator runs.
+    /// Whether something renews the queue's lease while the operator runs: the operator declares
+    /// no queue for a QueuePattern.
     fn kept_alive(&self) -> bool {
         match self {
             Self::Policy(p) => p.plan.keep_alive,
+            Self::Pattern(_) => false,
+        }
+    }
+
+    /// How bad the expiry is, and the clause saying when it strikes.
+    fn lease(&self) -> (Severity, &'static str) {
+        match self {
+            Self::Policy(_) => lease(self.kept_alive()),
+            Self::Pattern(_) => (Severity::Error, "(the operator renews no lease for a QueuePattern)"),
         }
     }
 
@@ -573,35 +670,52 @@ impl ExpirySource<'_, '_> {
     fn describe(&self) -> String {
         match self {
             Self::Policy(p) => format!("QueuePolicy '{}' declares it as its own queue", p.name()),
+            Self::Pattern(p) => format!(
+                "QueuePattern '{}' matches it (pattern '{}', priority {}; a QueuePolicy's own broker policy, priority 100, matches only its queue, not its dead-letter queue), so the pattern's broker policy applies there",
+                p.name(),
+                p.plan.pattern,
+                p.plan.priority
+            ),
         }
     }
 
-    /// The other way out, as a clause.
-    fn alternative(&self) -> String {
+    /// What to do, as a sentence.
+    fn remedy(&self, dlq: &str) -> String {
         match self {
-            Self::Policy(p) => format!("have QueuePolicy '{}' declare another queue", p.name()),
+            Self::Policy(p) => format!(
+                "Give this policy a deadLetter.queue of its own, or have QueuePolicy '{}' declare another queue.",
+                p.name()
+            ),
+            Self::Pattern(p) => format!(
+                "Narrow QueuePattern '{}' so that it no longer matches '{dlq}': anchor its pattern (^ at the start, $ at the end) and spell out only the names it is for, leaving out the '.dlq' names; or give this policy a deadLetter.queue the pattern does not match.",
+                p.name()
+            ),
         }
     }
 }
 
-/// QG006: a dead-letter queue must keep its dead letters.
+/// QG006: a dead-letter queue must keep its dead letters. Of the sources matching it, those of
+/// the highest priority are the ones RabbitMQ applies.
 fn expiring_dead_letter_queue(f: &Facts) -> Vec<Finding> {
     let sources = ExpirySource::all(f);
     let mut out = Vec::new();
     for p in &f.planned {
         let dlq = &p.plan.dead_letter_queue;
         let broker = broker_of(p);
-        for s in sources.iter().filter(|s| s.object() != &p.doc.id && s.matches(&broker, dlq)) {
+        let matching: Vec<&ExpirySource> =
+            sources.iter().filter(|s| s.object() != &p.doc.id && s.matches(&broker, dlq)).collect();
+        let Some(top) = matching.iter().map(|s| s.priority()).max() else { continue };
+        for s in matching.into_iter().filter(|s| s.priority() == top) {
             let expires = Human(s.expires());
-            let (severity, lease) = lease(s.kept_alive());
+            let (severity, lease) = s.lease();
             out.push(finding(
                 Rule::ExpiringDeadLetterQueue,
                 severity,
                 &p.doc.id,
                 format!(
-                    "its dead-letter queue '{dlq}' expires: {}, which gives it expires {expires}. Should nobody consume it for {expires} {lease}, the broker deletes the dead-letter queue, and with it every dead letter kept there for someone to look at. Give this policy a deadLetter.queue of its own, or {}.",
+                    "its dead-letter queue '{dlq}' expires: {}, which gives it expires {expires}. Should nobody consume it for {expires} {lease}, the broker deletes the dead-letter queue, and with it every dead letter kept there for someone to look at. {}",
                     s.describe(),
-                    s.alternative()
+                    s.remedy(dlq)
                 ),
             ));
         }
@@ -747,6 +861,26 @@ fn duplicate_queue(f: &Facts) -> Vec<Finding> {
     out
 }
 
+/// QG012: a pattern that matches anywhere in a name.
+fn unanchored_pattern(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in f.patterns.iter().filter(|p| !p.plan.pattern.starts_with('^')) {
+        let expires = Human(pattern::expires(&p.plan));
+        let others: Vec<&str> = p.plan.definition.keys().map(String::as_str).filter(|k| *k != "expires").collect();
+        let others = if others.is_empty() { String::new() } else { format!(" (and its {})", others.join(", ")) };
+        out.push(finding(
+            Rule::UnanchoredPattern,
+            Severity::Warning,
+            &p.doc.id,
+            format!(
+                "its pattern '{pat}' does not start with ^, so it matches anywhere in a queue name: its broker policy gives expires {expires}{others} to every queue on the broker whose name merely contains a match, other applications' queues included, and the broker deletes any of them left unused for {expires}, with their messages (a QueuePolicy's own queue is safe: its policy, priority 100, wins). Anchor the pattern: start it with ^ (for example '^{pat}'), and end it with $ where the names end.",
+                pat = p.plan.pattern,
+            ),
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -758,6 +892,13 @@ mod tests {
     fn policy(name: &str, queue: &str, rest: &str) -> String {
         format!(
             "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  broker: {{secretRef: {{name: rabbitmq}}}}\n  queue: {queue}\n{rest}---\n"
+        )
+    }
+
+    /// A QueuePattern `shop/<name>` reading Secret `rabbitmq`; `rest` is more of its spec.
+    fn queue_pattern(name: &str, pattern: &str, rest: &str) -> String {
+        format!(
+            "apiVersion: queueguard.io/v1alpha1\nkind: QueuePattern\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  broker: {{secretRef: {{name: rabbitmq}}}}\n  pattern: '{pattern}'\n{rest}---\n"
         )
     }
 
@@ -825,6 +966,32 @@ mod tests {
         let unserved = policy("orders", "{}", "").replace("v1alpha1", "v1");
         assert!(only(&unserved, Rule::InvalidPolicy).message.starts_with("apiVersion queueguard.io/v1 is not served"));
         assert_eq!(found(&policy("orders", "{name: orders, expires: 1h}", "")), vec![]);
+    }
+
+    #[test]
+    fn qg001_invalid_patterns_are_named_as_queue_patterns() {
+        let f = only(&queue_pattern("replies", "(unclosed", "  expires: 10s\n"), Rule::InvalidPolicy);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Error, "QueuePattern shop/replies".into()));
+        assert!(
+            f.message.starts_with("the operator refuses it (condition InvalidSpec) and puts no policy on the broker: spec.pattern: not a regular expression")
+                && f.message.contains("spec.expires: must be at least 1m"),
+            "{}",
+            f.message
+        );
+        let f = only(&queue_pattern("replies", "^rpc", "  expiry: 1h\n"), Rule::InvalidPolicy);
+        assert!(f.message.starts_with("unknown field spec.expiry: kubectl's strict"), "{}", f.message);
+        let unserved = queue_pattern("replies", "^rpc", "").replace("v1alpha1", "v1beta1");
+        let f = only(&unserved, Rule::InvalidPolicy);
+        assert_eq!(f.object.to_string(), "QueuePattern shop/replies");
+        assert!(
+            f.message.starts_with(
+                "apiVersion queueguard.io/v1beta1 is not served: queueguard's QueuePattern is queueguard.io/v1alpha1"
+            ),
+            "{}",
+            f.message
+        );
+        // Passing: a valid, anchored pattern.
+        assert_eq!(found(&queue_pattern("replies", "^rpc\\.reply\\.", "  expires: 5m\n  maxLength: 100\n")), vec![]);
     }
 
     #[test]
@@ -999,6 +1166,66 @@ mod tests {
     }
 
     #[test]
+    fn qg006_a_pattern_matching_a_dead_letter_queue_gives_it_its_expiry() {
+        // The QueuePolicy's own broker policy (priority 100) matches '^orders$' only: the
+        // pattern's applies to 'orders.dlq'.
+        let orders = policy("orders", "{name: orders}", "");
+        let all_orders = queue_pattern("all-orders", "^orders", "");
+        let f = only(&(orders.clone() + &all_orders), Rule::ExpiringDeadLetterQueue);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Error, "QueuePolicy shop/orders".into()));
+        assert!(
+            f.message.starts_with("its dead-letter queue 'orders.dlq' expires: QueuePattern 'all-orders' matches it (pattern '^orders', priority 0; a QueuePolicy's own broker policy, priority 100, matches only its queue, not its dead-letter queue), so the pattern's broker policy applies there, which gives it expires 10m. Should nobody consume it for 10m (the operator renews no lease for a QueuePattern), the broker deletes the dead-letter queue"),
+            "{}",
+            f.message
+        );
+        assert!(
+            f.message.ends_with("Narrow QueuePattern 'all-orders' so that it no longer matches 'orders.dlq': anchor its pattern (^ at the start, $ at the end) and spell out only the names it is for, leaving out the '.dlq' names; or give this policy a deadLetter.queue the pattern does not match."),
+            "{}",
+            f.message
+        );
+        // A named dead-letter queue and the pattern's own expires.
+        let parking = policy("orders", "{name: orders, deadLetter: {queue: parking.orders}}", "");
+        let f = only(
+            &(parking + &queue_pattern("parked", "^parking\\.", "  expires: 2h\n")),
+            Rule::ExpiringDeadLetterQueue,
+        );
+        assert!(f.message.contains("which gives it expires 2h"), "{}", f.message);
+
+        // Passing: the pattern matches the policy's own queue only, where the QueuePolicy wins.
+        assert_eq!(found(&(orders.clone() + &queue_pattern("exact", "^orders$", ""))), vec![]);
+        // Passing: another broker (Secret), vhost or namespace.
+        let other_secret = all_orders.replace("name: rabbitmq", "name: other");
+        assert_eq!(found(&(orders.clone() + &other_secret)), vec![]);
+        let other_vhost = all_orders.replace("secretRef: {name: rabbitmq}", "secretRef: {name: rabbitmq}, vhost: v2");
+        assert_eq!(found(&(orders.clone() + &other_vhost)), vec![]);
+        let other_namespace = all_orders.replace("namespace: shop", "namespace: web");
+        assert_eq!(found(&(orders.clone() + &other_namespace)), vec![]);
+        // An invalid pattern puts no policy on the broker: only QG001.
+        let invalid = queue_pattern("all-orders", "^orders", "  priority: 100\n");
+        assert_eq!(found(&(orders + &invalid)), vec![("QG001", "QueuePattern shop/all-orders".into())]);
+    }
+
+    #[test]
+    fn qg006_only_the_highest_priority_policy_matching_a_dead_letter_queue_applies() {
+        // Another QueuePolicy declares the dead-letter queue: its policy (priority 100) wins over
+        // the pattern there, so only it is named.
+        let orders = policy("orders", "{name: orders}", "");
+        let dlq = policy("dlq", "{name: orders.dlq, expires: 2h}", "");
+        let pattern = queue_pattern("all-orders", "^orders(\\.dlq)?$", "  priority: 99\n");
+        let f = only(&(orders.clone() + &dlq + &pattern), Rule::ExpiringDeadLetterQueue);
+        assert!(f.message.contains("QueuePolicy 'dlq' declares it as its own queue"), "{}", f.message);
+        // Of two patterns, the one of higher priority applies; of equal priority, either may.
+        let low = queue_pattern("low", "^orders\\.dlq$", "");
+        let high = queue_pattern("high", "^orders\\.", "  priority: 5\n");
+        let f = only(&(orders.clone() + &low + &high), Rule::ExpiringDeadLetterQueue);
+        assert!(f.message.contains("QueuePattern 'high' matches it"), "{}", f.message);
+        let equal = findings(&(orders + &low + &high.replace("priority: 5", "priority: 0")));
+        let named: Vec<bool> =
+            ["'low'", "'high'"].iter().map(|n| equal.iter().any(|f| f.message.contains(n))).collect();
+        assert_eq!((equal.len(), named), (2, vec![true, true]), "{equal:#?}");
+    }
+
+    #[test]
     fn qg007_a_dead_letter_exchange_the_queue_is_bound_from_loops() {
         let looping = policy(
             "orders",
@@ -1069,6 +1296,31 @@ mod tests {
         let elsewhere = policy("orders", "{name: orders}", "")
             + &policy("orders-again", "{name: orders}", "").replace("namespace: shop", "namespace: web");
         assert_eq!(found(&elsewhere), vec![]);
+    }
+
+    #[test]
+    fn qg012_a_pattern_without_a_leading_caret_matches_anywhere_in_a_name() {
+        let f = only(&queue_pattern("replies", "rpc\\.reply\\.", "  expires: 5m\n"), Rule::UnanchoredPattern);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Warning, "QueuePattern shop/replies".into()));
+        assert!(
+            f.message.starts_with("its pattern 'rpc\\.reply\\.' does not start with ^, so it matches anywhere in a queue name: its broker policy gives expires 5m to every queue on the broker whose name merely contains a match"),
+            "{}",
+            f.message
+        );
+        assert!(f.message.contains("for example '^rpc\\.reply\\.'"), "{}", f.message);
+        let limited = queue_pattern("replies", "reply", "  maxLength: 10\n  deadLetterExchange: replies.dlx\n");
+        let f = only(&limited, Rule::UnanchoredPattern);
+        assert!(
+            f.message.contains("gives expires 10m (and its dead-letter-exchange, max-length) to every queue"),
+            "{}",
+            f.message
+        );
+        // Passing: anchored, even though it also matches a QueuePolicy's own queue: that
+        // QueuePolicy's policy (priority 100) wins there.
+        let anchored = queue_pattern("replies", "^rpc\\.reply\\.", "");
+        assert_eq!(found(&anchored), vec![]);
+        let own_queue = policy("reply", "{name: rpc.reply.main, deadLetter: {queue: parking}}", "");
+        assert_eq!(found(&(own_queue + &anchored)), vec![]);
     }
 
     #[test]
