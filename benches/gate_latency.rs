@@ -115,20 +115,27 @@ fn poll_path(base: String, user: String, pass: String, seen: Seen) {
     });
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
+fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-fn ms(d: Duration) -> String {
-    format!("{:.1}", d.as_secs_f64() * 1000.0)
+fn ms(v: f64) -> String {
+    format!("{v:.1}")
 }
 
-/// Latencies from consume-ok to first decision; attaches never decided count as missing.
-fn latencies(attached: &HashMap<String, Instant>, seen: &Seen) -> (Vec<Duration>, usize) {
+/// Milliseconds from consume-ok to first decision, sorted; negative where the decision came
+/// first (the broker emits consumer.created before the client has read its consume-ok).
+/// Attaches never decided count as missing.
+fn latencies(attached: &HashMap<String, Instant>, seen: &Seen) -> (Vec<f64>, usize) {
     let seen = seen.lock().unwrap();
-    let mut out: Vec<Duration> =
-        attached.iter().filter_map(|(tag, at)| seen.get(tag).map(|s| s.saturating_duration_since(*at))).collect();
-    out.sort();
+    let mut out: Vec<f64> = attached
+        .iter()
+        .filter_map(|(tag, at)| {
+            let s = *seen.get(tag)?;
+            Some(if s >= *at { (s - *at).as_secs_f64() } else { -(*at - s).as_secs_f64() } * 1000.0)
+        })
+        .collect();
+    out.sort_by(f64::total_cmp);
     let missing = attached.len() - out.len();
     (out, missing)
 }
@@ -186,9 +193,10 @@ async fn main() {
 
     let (event, event_missing) = latencies(&attached, &events);
     let (poll, poll_missing) = latencies(&attached, &polls);
-    let row = |name: &str, l: &[Duration], missing: usize| {
+    let row = |name: &str, l: &[f64], missing: usize| {
+        let first = l.iter().filter(|v| **v < 0.0).count();
         println!(
-            "  {name:<22} n={:<4} p50={:>8}ms p99={:>8}ms max={:>8}ms missing={missing}",
+            "  {name:<22} n={:<4} p50={:>8}ms p99={:>8}ms max={:>8}ms decided-before-consume-ok={first} missing={missing}",
             l.len(),
             ms(percentile(l, 0.5)),
             ms(percentile(l, 0.99)),
@@ -197,7 +205,8 @@ async fn main() {
     };
     row("event exchange", &event, event_missing);
     row("management polling", &poll, poll_missing);
-    let ratio = percentile(&poll, 0.99).as_secs_f64() / percentile(&event, 0.99).as_secs_f64();
+    // A p99 at or below zero would make the ratio meaningless: floor the event p99 at 0.1 ms.
+    let ratio = percentile(&poll, 0.99) / percentile(&event, 0.99).max(0.1);
     println!("  ratio poll p99 / event p99 = {ratio:.1}");
 
     // The burst: 500 consumers within a second, on a few connections as a scaled-up Deployment
@@ -230,7 +239,7 @@ async fn main() {
         keep.push((ch, consumer));
     }
     let last_attach = *burst.values().max().unwrap();
-    let attach_window = last_attach - burst_started;
+    let attach_window = (last_attach - burst_started).as_secs_f64() * 1000.0;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let decided = {
@@ -247,7 +256,7 @@ async fn main() {
         let s = events.lock().unwrap();
         burst.keys().filter_map(|t| s.get(t)).max().copied().unwrap_or(last_attach)
     };
-    let after_last = last_decided.saturating_duration_since(last_attach);
+    let after_last = last_decided.saturating_duration_since(last_attach).as_secs_f64() * 1000.0;
     println!(
         "  attached within {}ms; last decided {}ms after the last attach; per-consumer p99={}ms; missing={burst_missing}",
         ms(attach_window),

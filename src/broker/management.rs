@@ -129,6 +129,8 @@ impl ConnectionInfo {
 pub struct ManagementClient {
     endpoint: ManagementEndpoint,
     http: reqwest::Client,
+    /// Requests sent, for the benchmarks' round-trip counts.
+    requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl ManagementClient {
@@ -147,11 +149,16 @@ impl ManagementClient {
             endpoint: endpoint.base_url.to_string(),
             detail: e.to_string(),
         })?;
-        Ok(Self { endpoint, http })
+        Ok(Self { endpoint, http, requests: Default::default() })
     }
 
     pub fn display(&self) -> String {
         self.endpoint.base_url.to_string()
+    }
+
+    /// Requests sent so far.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub async fn queue(&self, vhost: &str, name: &str) -> Result<Option<QueueInfo>, ManagementError> {
@@ -249,6 +256,7 @@ impl ManagementClient {
         query: &str,
         body: Option<Value>,
     ) -> Result<Option<Vec<u8>>, ManagementError> {
+        self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut url = self.url(path);
         if !query.is_empty() {
             url.set_query(Some(query));

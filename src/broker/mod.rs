@@ -99,6 +99,12 @@ impl BrokerPool {
         endpoints.values().map(|b| (b.amqp.display(), b.amqp.is_connected())).collect()
     }
 
+    /// Management API requests sent across all endpoints.
+    pub fn management_requests(&self) -> u64 {
+        let endpoints = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());
+        endpoints.values().map(|b| b.management.requests()).sum()
+    }
+
     /// AMQP connections opened across all endpoints.
     pub fn connections_opened(&self) -> u64 {
         let endpoints = self.endpoints.lock().unwrap_or_else(|p| p.into_inner());

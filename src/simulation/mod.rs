@@ -133,6 +133,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         strategy: None,
         tally: Arc::new(Tally::default()),
         gate_waits: Vec::new(),
+        gate_overheads: Vec::new(),
         premature: 0,
     };
 
@@ -172,6 +173,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         duplicates: deliveries.saturating_sub(unique),
         queue_deletions: deletions,
         longest_gate_wait: sim.gate_waits.iter().max().copied(),
+        gate_overheads: sim.gate_overheads.clone(),
         premature_opens: sim.premature,
     })
 }
@@ -205,6 +207,8 @@ struct Sim {
     strategy: Option<DeploymentStrategy>,
     tally: Arc<Tally>,
     gate_waits: Vec<Duration>,
+    /// Per opened gate: from its consumer attaching to the gate opening.
+    gate_overheads: Vec<Duration>,
     premature: u64,
 }
 
@@ -316,6 +320,7 @@ impl Sim {
                 match (pod.attached_ms(), pod.booted_ms()) {
                     (Some(attached), Some(booted)) if attached <= now => {
                         self.gate_waits.push(Duration::from_millis((now - booted).max(0) as u64));
+                        self.gate_overheads.push(Duration::from_millis((now - attached).max(0) as u64));
                     }
                     _ => self.premature += 1,
                 }

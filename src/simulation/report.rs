@@ -18,6 +18,9 @@ pub struct Report {
     pub longest_gate_wait: Option<Duration>,
     /// Gates opened before their pod's consumer attached (must be 0).
     pub premature_opens: u64,
+    /// For each gate opened: the time from its pod's consumer attaching to the gate opening
+    /// (minAttachedSeconds included).
+    pub gate_overheads: Vec<Duration>,
 }
 
 pub fn table(reports: &[Report]) -> String {
@@ -69,6 +72,7 @@ mod tests {
             queue_deletions: 0,
             longest_gate_wait: Some(Duration::from_millis(850)),
             premature_opens: 0,
+            gate_overheads: vec![],
         };
         let t = table(&[r.clone(), Report { scenario: "naive".into(), lost: 120, longest_gate_wait: None, ..r }]);
         let lines: Vec<&str> = t.lines().collect();

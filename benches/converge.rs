@@ -1,0 +1,323 @@
+//! Convergence at scale: cold start to every QueuePolicy Ready for 1,000 policies (queue,
+//! dead-letter exchange, dead-letter queue, binding each) through the operator's own reconcile,
+//! with the Kubernetes API in memory, against the floor: a plain lapin loop issuing the same
+//! declarations on one channel. Then the steady state: the same 1,000 policies, unchanged,
+//! reconciled again.
+//!
+//! `cargo bench --bench converge` against the local broker (QUEUEGUARD_BENCH_BROKER,
+//! QUEUEGUARD_BENCH_MANAGEMENT, QUEUEGUARD_BENCH_POLICIES, QUEUEGUARD_BENCH_MODE=Policy|Arguments).
+//! AMQP round trips are counted by a proxy in front of the broker that reads the client's method
+//! frames. Ends with one `key=value` summary line.
+
+use futures::StreamExt;
+use http::{Request, Response, StatusCode};
+use kube::{Client, client::Body};
+use lapin::{
+    Connection, ConnectionProperties, ExchangeKind,
+    options::*,
+    types::{AMQPValue, FieldTable},
+};
+use queueguard::{
+    controller::{self, Context, FINALIZER},
+    crd::QueuePolicy,
+};
+use serde_json::{Value, json};
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Instant,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Reconciles in flight at once, as the kube-runtime Controller would run them.
+const CONCURRENCY: usize = 32;
+
+fn env(key: &str, default: &str) -> String {
+    std::env::var(key).unwrap_or_else(|_| default.to_owned())
+}
+
+/// The Kubernetes API in memory: Secrets, QueuePolicies (status patches applied), Events.
+#[derive(Clone, Default)]
+struct FakeApi {
+    secret: Value,
+    policies: Arc<Mutex<HashMap<String, Value>>>,
+    requests: Arc<AtomicU64>,
+}
+
+impl FakeApi {
+    fn answer(&self, method: &str, path: &str, body: &[u8]) -> (StatusCode, Value) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        match (method, parts.as_slice()) {
+            ("GET", ["api", "v1", "namespaces", _, "secrets", _]) => (StatusCode::OK, self.secret.clone()),
+            ("PATCH", ["apis", "queueguard.io", "v1alpha1", "namespaces", _, "queuepolicies", name, "status"]) => {
+                let patch: Value = serde_json::from_slice(body).unwrap();
+                let mut policies = self.policies.lock().unwrap();
+                let stored = policies.get_mut(*name).expect("known policy");
+                stored["status"] = patch["status"].clone();
+                (StatusCode::OK, stored.clone())
+            }
+            ("POST", ["apis", "events.k8s.io", "v1", "namespaces", _, "events"]) => {
+                (StatusCode::CREATED, serde_json::from_slice(body).unwrap())
+            }
+            ("PATCH", ["apis", "events.k8s.io", "v1", "namespaces", _, "events", _]) => {
+                (StatusCode::OK, serde_json::from_slice(body).unwrap_or(json!({})))
+            }
+            _ => (
+                StatusCode::NOT_FOUND,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound", "message": format!("{method} {path}")}),
+            ),
+        }
+    }
+
+    fn client(&self) -> Client {
+        let api = self.clone();
+        let service = tower::service_fn(move |req: Request<Body>| {
+            let api = api.clone();
+            async move {
+                let (parts, body) = req.into_parts();
+                let bytes = body.collect_bytes().await.unwrap_or_default();
+                let (status, answer) = api.answer(parts.method.as_str(), parts.uri.path(), &bytes);
+                Ok::<_, Infallible>(
+                    Response::builder().status(status).body(Body::from(serde_json::to_vec(&answer).unwrap())).unwrap(),
+                )
+            }
+        });
+        Client::new(service, "default")
+    }
+}
+
+/// A TCP proxy in front of the broker that counts the AMQP method frames clients send: each is
+/// a round trip for the synchronous methods the operator uses.
+async fn counting_proxy(upstream: String) -> (u16, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let methods = Arc::new(AtomicU64::new(0));
+    let counter = methods.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let (upstream, counter) = (upstream.clone(), counter.clone());
+            tokio::spawn(async move {
+                let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                // Frames are forwarded one by one: without NODELAY, Nagle would hold them back.
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                });
+                let mut header = [0u8; 8];
+                if cr.read_exact(&mut header).await.is_err() || sw.write_all(&header).await.is_err() {
+                    return;
+                }
+                loop {
+                    let mut head = [0u8; 7];
+                    if cr.read_exact(&mut head).await.is_err() {
+                        return;
+                    }
+                    let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+                    let mut rest = vec![0u8; size + 1];
+                    if cr.read_exact(&mut rest).await.is_err() {
+                        return;
+                    }
+                    if head[0] == 1 {
+                        counter.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let mut frame = head.to_vec();
+                    frame.extend_from_slice(&rest);
+                    if sw.write_all(&frame).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, methods)
+}
+
+fn policy(name: &str, queue: &str, mode: &str) -> Value {
+    json!({
+        "apiVersion": "queueguard.io/v1alpha1", "kind": "QueuePolicy",
+        "metadata": {
+            "name": name, "namespace": "bench", "generation": 1, "uid": format!("uid-{name}"),
+            "finalizers": [FINALIZER], "resourceVersion": "1"
+        },
+        "spec": {"broker": {"secretRef": {"name": "rabbitmq"}}, "queue": {"name": queue, "settings": mode}}
+    })
+}
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    kib / 1024.0
+}
+
+async fn reconcile_all(ctx: &Arc<Context>, policies: Vec<QueuePolicy>) -> usize {
+    futures::stream::iter(policies)
+        .map(|p| {
+            let ctx = ctx.clone();
+            async move { controller::reconcile(Arc::new(p), ctx).await.is_ok() }
+        })
+        .buffer_unordered(CONCURRENCY)
+        .filter(|ok| futures::future::ready(!*ok))
+        .count()
+        .await
+}
+
+#[tokio::main]
+async fn main() {
+    queueguard::tls::install_crypto_provider();
+    let n: usize = env("QUEUEGUARD_BENCH_POLICIES", "1000").parse().unwrap();
+    let mode = env("QUEUEGUARD_BENCH_MODE", "Policy");
+    let broker_host = env("QUEUEGUARD_BENCH_BROKER_ADDR", "127.0.0.1:5672");
+    let management = env("QUEUEGUARD_BENCH_MANAGEMENT", "http://127.0.0.1:15672");
+    let (port, methods) = counting_proxy(broker_host.clone()).await;
+    let via_proxy = format!("amqp://guest:guest@127.0.0.1:{port}/%2F");
+    let run = format!("qgconv.{}", std::process::id());
+
+    let api = FakeApi {
+        secret: json!({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "rabbitmq", "namespace": "bench"},
+            "data": {
+                "uri": base64(&via_proxy),
+                "managementUri": base64(&format!("http://guest:guest@{}", management.trim_start_matches("http://"))),
+            }
+        }),
+        ..Default::default()
+    };
+    let mut objects = Vec::new();
+    for i in 0..n {
+        let name = format!("p{i}");
+        let value = policy(&name, &format!("{run}.op.{i}"), &mode);
+        api.policies.lock().unwrap().insert(name, value.clone());
+        objects.push(serde_json::from_value::<QueuePolicy>(value).unwrap());
+    }
+    let ctx = Arc::new(Context::new(api.client(), "queueguard-bench"));
+
+    println!("converge: {n} QueuePolicies (settings {mode}), {CONCURRENCY} reconciles at a time");
+    let started = Instant::now();
+    let failed = reconcile_all(&ctx, objects.clone()).await;
+    let operator = started.elapsed();
+    let ready = api
+        .policies
+        .lock()
+        .unwrap()
+        .values()
+        .filter(|p| {
+            p["status"]["conditions"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+        })
+        .count();
+    let mut reasons: HashMap<String, usize> = HashMap::new();
+    for p in api.policies.lock().unwrap().values() {
+        let ready = p["status"]["conditions"].as_array().and_then(|c| c.iter().find(|c| c["type"] == "Ready").cloned());
+        if let Some(r) = ready.filter(|r| r["status"] != "True") {
+            *reasons.entry(format!("{}: {}", r["reason"], r["message"].as_str().unwrap_or("").chars().take(120).collect::<String>())).or_default() += 1;
+        }
+    }
+    for (reason, count) in &reasons {
+        println!("  not ready ({count}): {reason}");
+    }
+    let cold_methods = methods.load(Ordering::Relaxed);
+    let cold_mgmt = ctx.brokers.management_requests();
+    let connections = ctx.brokers.connections_opened();
+    let rss = peak_rss_mib();
+    println!(
+        "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s), peak RSS {rss:.1} MiB",
+        operator.as_secs_f64()
+    );
+
+    // Steady state: the same policies, with the status the first pass wrote.
+    let steady_objects: Vec<QueuePolicy> = {
+        let stored = api.policies.lock().unwrap();
+        objects
+            .iter()
+            .map(|p| serde_json::from_value(stored[&p.metadata.name.clone().unwrap()].clone()).unwrap())
+            .collect()
+    };
+    let kube_before = api.requests.load(Ordering::Relaxed);
+    let started = Instant::now();
+    let steady_failed = reconcile_all(&ctx, steady_objects).await;
+    let steady = started.elapsed();
+    let steady_methods = methods.load(Ordering::Relaxed) - cold_methods;
+    let steady_mgmt = ctx.brokers.management_requests() - cold_mgmt;
+    let steady_kube = api.requests.load(Ordering::Relaxed) - kube_before;
+    println!(
+        "  operator steady state: {:.3}s, {steady_methods} AMQP methods, {steady_mgmt} management requests, {steady_kube} Kubernetes API requests, {steady_failed} failed",
+        steady.as_secs_f64()
+    );
+
+    // The floor: the same declarations, one channel, one after another.
+    let conn = Connection::connect(&format!("amqp://guest:guest@{broker_host}/%2F"), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let started = Instant::now();
+    for i in 0..n {
+        let queue = format!("{run}.floor.{i}");
+        let (dlx, dlq) = (format!("{queue}.dlx"), format!("{queue}.dlq"));
+        let exchange = ExchangeDeclareOptions { durable: true, ..Default::default() };
+        ch.exchange_declare(dlx.as_str().into(), ExchangeKind::Direct, exchange, FieldTable::default()).await.unwrap();
+        ch.queue_declare(dlq.as_str().into(), durable, FieldTable::default()).await.unwrap();
+        ch.queue_bind(
+            dlq.as_str().into(),
+            dlx.as_str().into(),
+            queue.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-expires".into(), AMQPValue::LongLongInt(1_800_000));
+        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(dlx.as_str().into()));
+        args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(queue.as_str().into()));
+        ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
+    }
+    let floor = started.elapsed();
+    println!("  floor (plain lapin, one channel): {:.2}s, {} AMQP methods", floor.as_secs_f64(), n * 4);
+    let ratio = operator.as_secs_f64() / floor.as_secs_f64();
+    println!("  ratio operator / floor = {ratio:.2}");
+
+    // Clean up: both sets of queues, exchanges and the operator's policies.
+    let cleanup = conn.create_channel().await.unwrap();
+    for i in 0..n {
+        for queue in [format!("{run}.op.{i}"), format!("{run}.floor.{i}")] {
+            for q in [queue.clone(), format!("{queue}.dlq")] {
+                let _ = cleanup.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+            }
+            let _ =
+                cleanup.exchange_delete(format!("{queue}.dlx").as_str().into(), ExchangeDeleteOptions::default()).await;
+        }
+    }
+    let http = reqwest::Client::new();
+    for i in 0..n {
+        let _ = http
+            .delete(format!("{management}/api/policies/%2F/queueguard.bench.p{i}"))
+            .basic_auth("guest", Some("guest"))
+            .send()
+            .await;
+    }
+    println!(
+        "summary policies={n} mode={mode} operator_s={:.2} floor_s={:.2} ratio={ratio:.2} connections={connections} peak_rss_mib={rss:.1} ready={ready} cold_amqp_methods={cold_methods} cold_mgmt_requests={cold_mgmt} steady_s={:.3} steady_amqp_methods={steady_methods} steady_mgmt_requests={steady_mgmt} steady_kube_requests={steady_kube}",
+        operator.as_secs_f64(),
+        floor.as_secs_f64(),
+        steady.as_secs_f64()
+    );
+}
+
+fn base64(s: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(s)
+}
