@@ -222,7 +222,13 @@ async fn main() {
     for p in api.policies.lock().unwrap().values() {
         let ready = p["status"]["conditions"].as_array().and_then(|c| c.iter().find(|c| c["type"] == "Ready").cloned());
         if let Some(r) = ready.filter(|r| r["status"] != "True") {
-            *reasons.entry(format!("{}: {}", r["reason"], r["message"].as_str().unwrap_or("").chars().take(120).collect::<String>())).or_default() += 1;
+            *reasons
+                .entry(format!(
+                    "{}: {}",
+                    r["reason"],
+                    r["message"].as_str().unwrap_or("").chars().take(120).collect::<String>()
+                ))
+                .or_default() += 1;
         }
     }
     for (reason, count) in &reasons {

@@ -189,9 +189,12 @@ fn a_conflict_exits_1() {
 
 #[test]
 fn crd_prints_the_committed_crd_and_help_explains_each_command() {
-    let out = queueguard(&["crd"], None);
-    let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/queuepolicy.yaml")).unwrap();
-    assert_eq!(String::from_utf8(out.stdout).unwrap(), committed);
+    let read = |f: &str| std::fs::read_to_string(format!("{}/crds/{f}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let (policy, pattern) = (read("queuepolicy.yaml"), read("queuepattern.yaml"));
+    let printed = |args: &[&str]| String::from_utf8(queueguard(args, None).stdout).unwrap();
+    assert_eq!(printed(&["crd", "--kind", "queue-policy"]), policy);
+    assert_eq!(printed(&["crd", "--kind", "queue-pattern"]), pattern);
+    assert_eq!(printed(&["crd"]), format!("{policy}{pattern}"), "both, ready for kubectl apply -f -");
     let help = String::from_utf8(queueguard(&["--help"], None).stdout).unwrap();
     for command in ["run", "crd", "apply"] {
         assert!(help.lines().any(|l| l.trim_start().starts_with(command)), "{command} in {help}");

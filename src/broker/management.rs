@@ -125,12 +125,20 @@ impl ConnectionInfo {
     }
 }
 
+/// Requests to one management API in flight at once: its HTTP server and the policy updates
+/// behind it do not get faster with more, and a flood makes requests time out.
+const IN_FLIGHT: usize = 4;
+/// Per vhost: when the last policy read went out, and what it returned.
+type PolicyCache = HashMap<String, (std::time::Instant, Vec<PolicyInfo>)>;
+
 #[derive(Clone)]
 pub struct ManagementClient {
     endpoint: ManagementEndpoint,
     http: reqwest::Client,
     /// Requests sent, for the benchmarks' round-trip counts.
     requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    in_flight: std::sync::Arc<tokio::sync::Semaphore>,
+    policies: std::sync::Arc<tokio::sync::Mutex<PolicyCache>>,
 }
 
 impl ManagementClient {
@@ -149,7 +157,13 @@ impl ManagementClient {
             endpoint: endpoint.base_url.to_string(),
             detail: e.to_string(),
         })?;
-        Ok(Self { endpoint, http, requests: Default::default() })
+        Ok(Self {
+            endpoint,
+            http,
+            requests: Default::default(),
+            in_flight: std::sync::Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
+            policies: Default::default(),
+        })
     }
 
     pub fn display(&self) -> String {
@@ -165,8 +179,29 @@ impl ManagementClient {
         self.get_opt(&["queues", vhost, name]).await
     }
 
+    /// The vhost's policies. Concurrent callers share one read: a caller that waited while
+    /// another read went out after it asked takes that answer, which is as fresh as its own
+    /// would have been; nobody gets a list read before they asked (plus our own writes since).
     pub async fn policies(&self, vhost: &str) -> Result<Vec<PolicyInfo>, ManagementError> {
-        Ok(self.get_opt(&["policies", vhost]).await?.unwrap_or_default())
+        let asked = std::time::Instant::now();
+        let mut cache = self.policies.lock().await;
+        if let Some((read_at, list)) = cache.get(vhost)
+            && *read_at >= asked
+        {
+            return Ok(list.clone());
+        }
+        let read_at = std::time::Instant::now();
+        let list: Vec<PolicyInfo> = self.get_opt(&["policies", vhost]).await?.unwrap_or_default();
+        cache.insert(vhost.to_owned(), (read_at, list.clone()));
+        Ok(list)
+    }
+
+    /// Keeps the cached list in step with a write of our own.
+    async fn remember(&self, vhost: &str, name: &str, written: Option<&PolicyInfo>) {
+        if let Some((_, list)) = self.policies.lock().await.get_mut(vhost) {
+            list.retain(|p| p.name != name);
+            list.extend(written.cloned());
+        }
     }
 
     pub async fn put_policy(&self, vhost: &str, policy: &PolicyInfo) -> Result<(), ManagementError> {
@@ -176,12 +211,16 @@ impl ManagementClient {
             "priority": policy.priority,
             "definition": policy.definition,
         });
-        self.send(Method::PUT, &["policies", vhost, &policy.name], Some(body)).await.map(drop)
+        self.send(Method::PUT, &["policies", vhost, &policy.name], Some(body)).await?;
+        self.remember(vhost, &policy.name, Some(policy)).await;
+        Ok(())
     }
 
     /// Deletes a policy; a missing one counts as deleted.
     pub async fn delete_policy(&self, vhost: &str, name: &str) -> Result<(), ManagementError> {
-        self.send(Method::DELETE, &["policies", vhost, name], None).await.map(drop)
+        self.send(Method::DELETE, &["policies", vhost, name], None).await?;
+        self.remember(vhost, name, None).await;
+        Ok(())
     }
 
     pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, ManagementError> {
@@ -256,6 +295,7 @@ impl ManagementClient {
         query: &str,
         body: Option<Value>,
     ) -> Result<Option<Vec<u8>>, ManagementError> {
+        let _permit = self.in_flight.acquire().await.expect("the semaphore is never closed");
         self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut url = self.url(path);
         if !query.is_empty() {
