@@ -298,18 +298,32 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
 
 #[tracing::instrument(skip_all, fields(policy = %format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())))]
 pub async fn reconcile(policy: Arc<QueuePolicy>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = policy.namespace().unwrap_or_else(|| "default".into());
-    let labels = PolicyLabels { namespace: ns.clone(), policy: policy.name_any() };
-    let started = Instant::now();
-    let api: Api<QueuePolicy> = Api::namespaced(ctx.client.clone(), &ns);
-    let result = finalizer::finalizer(&api, FINALIZER, policy, |event| async {
+    finalized(policy, &ctx, |event| async {
         match event {
             Finalizer::Apply(p) => apply(&p, &ctx).await,
             Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
         }
     })
     .await
-    .map_err(|e| match e {
+}
+
+/// Runs one reconcile of a namespaced resource behind the operator's finalizer, counting it in
+/// the metrics. The handler's own errors come back as they are, not wrapped.
+pub(crate) async fn finalized<K, F, Fut>(object: Arc<K>, ctx: &Context, handle: F) -> Result<Action, Error>
+where
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + std::fmt::Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned,
+    F: FnOnce(Finalizer<K>) -> Fut,
+    Fut: std::future::Future<Output = Result<Action, Error>>,
+{
+    let ns = object.namespace().unwrap_or_else(|| "default".into());
+    let labels = PolicyLabels { namespace: ns.clone(), policy: object.name_any() };
+    let started = Instant::now();
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
+    let result = finalizer::finalizer(&api, FINALIZER, object, handle).await.map_err(|e| match e {
         finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e) => e,
         other => Error::Finalizer(Box::new(other)),
     });

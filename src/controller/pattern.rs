@@ -2,7 +2,7 @@
 //! queues every [`FINDINGS_EVERY`], report status, Events and metrics; on deletion remove the
 //! policy (the queues stay).
 
-use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, endpoint, publish_for};
+use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, endpoint, finalized, publish_for};
 use crate::{
     events::{EventSpec, truncate},
     metrics::PolicyLabels,
@@ -18,34 +18,20 @@ use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Condition, jiff::Timestamp}
 use kube::{
     Api, ResourceExt,
     api::{Patch, PatchParams},
-    runtime::{
-        controller::Action,
-        finalizer::{self, Event as Finalizer},
-        reflector::ObjectRef,
-    },
+    runtime::{controller::Action, finalizer::Event as Finalizer, reflector::ObjectRef},
 };
 use serde_json::json;
-use std::{sync::Arc, time::Instant};
+use std::sync::Arc;
 
 #[tracing::instrument(skip_all, fields(pattern = %format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())))]
 pub async fn reconcile(p: Arc<QueuePattern>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = p.namespace().unwrap_or_else(|| "default".into());
-    let labels = PolicyLabels { namespace: ns.clone(), policy: p.name_any() };
-    let started = Instant::now();
-    let api: Api<QueuePattern> = Api::namespaced(ctx.client.clone(), &ns);
-    let result = finalizer::finalizer(&api, super::FINALIZER, p, |event| async {
+    finalized(p, &ctx, |event| async {
         match event {
             Finalizer::Apply(p) => apply(&p, &ctx).await,
             Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
         }
     })
     .await
-    .map_err(|e| match e {
-        finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e) => e,
-        other => Error::Finalizer(Box::new(other)),
-    });
-    ctx.metrics.reconciled(&labels, started.elapsed(), result.as_ref().err().map(Error::metric_label));
-    result
 }
 
 pub fn error_policy(_: Arc<QueuePattern>, error: &Error, _: Arc<Context>) -> Action {
