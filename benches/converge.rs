@@ -33,8 +33,11 @@ use std::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Reconciles in flight at once, as the kube-runtime Controller would run them.
-const CONCURRENCY: usize = 32;
+/// Reconciles in flight at once, as the operator's Controller runs them
+/// (QUEUEGUARD_BENCH_CONCURRENCY overrides, to see the trade-off).
+fn concurrency() -> usize {
+    env("QUEUEGUARD_BENCH_CONCURRENCY", &queueguard::controller::CONCURRENCY.to_string()).parse().unwrap()
+}
 
 fn env(key: &str, default: &str) -> String {
     std::env::var(key).unwrap_or_else(|_| default.to_owned())
@@ -168,7 +171,7 @@ async fn reconcile_all(ctx: &Arc<Context>, policies: Vec<QueuePolicy>) -> usize 
             let ctx = ctx.clone();
             async move { controller::reconcile(Arc::new(p), ctx).await.is_ok() }
         })
-        .buffer_unordered(CONCURRENCY)
+        .buffer_unordered(concurrency())
         .filter(|ok| futures::future::ready(!*ok))
         .count()
         .await
@@ -206,7 +209,7 @@ async fn main() {
     // What the benchmark itself holds before the operator runs (policies, in-memory API, proxy).
     let baseline = rss_mib("VmRSS:");
 
-    println!("converge: {n} QueuePolicies (settings {mode}), {CONCURRENCY} reconciles at a time");
+    println!("converge: {n} QueuePolicies (settings {mode}), {} reconciles at a time", concurrency());
     let started = Instant::now();
     let failed = reconcile_all(&ctx, objects.clone()).await;
     let operator = started.elapsed();

@@ -60,6 +60,9 @@ const DELETION_RETRY: Duration = Duration::from_secs(30);
 /// How often the consumer hygiene findings look at a queue: short enough for counters to show
 /// trends, long enough that a thousand policies cost a few management API reads a second.
 pub const FINDINGS_EVERY: Duration = Duration::from_secs(20);
+/// Reconciles in flight at once, per resource kind: enough to keep one broker connection busy,
+/// few enough that a cold start of thousands of policies does not flood the broker.
+pub const CONCURRENCY: u16 = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -270,6 +273,7 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
         .watches_stream(deployment_events, move |d| triggers::policies_for_deployment(&by_deployment, &d))
         .watches_stream(pod_events, move |p| triggers::policies_for_pod(&by_pod, &deployment_store, &p))
         .reconcile_on(consumer_changes)
+        .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx.clone())
         .for_each(|result| async move {
@@ -286,6 +290,7 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
     let patterns = Controller::for_stream(pattern_trigger, pattern_store)
+        .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .shutdown_on_signal()
         .run(pattern::reconcile, pattern::error_policy, ctx)
         .for_each(|result| async move {
