@@ -43,30 +43,34 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             events.push(event);
         }
     }
-    events.extend(finding_transitions(old, new));
+    let findings: Vec<&str> = Finding::ALL.iter().map(|f| f.as_str()).collect();
+    events.extend(finding_transitions(old, new, &findings, "CheckConsumers"));
     events
 }
 
-/// A finding coming up is a Warning; one going away after being seen is a Normal Event. Only
-/// transitions count, so a habit that persists is announced once, not every pass.
-fn finding_transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
+/// For the finding conditions named in `kinds`: one coming up is a Warning; one going away after
+/// being seen is a Normal Event. Only transitions count, so a habit that persists is announced
+/// once, not every pass.
+pub fn finding_transitions(
+    old: &[Condition],
+    new: &[Condition],
+    kinds: &[&str],
+    action: &'static str,
+) -> Vec<EventSpec> {
     let was_seen = |kind: &str| old.iter().any(|c| c.type_ == kind && c.status == "True");
-    Finding::ALL
+    kinds
         .iter()
-        .filter_map(|f| {
-            let now = new.iter().find(|c| c.type_ == f.as_str())?;
-            match (was_seen(f.as_str()), now.status == "True") {
-                (false, true) => Some(EventSpec {
-                    warning: true,
-                    reason: f.as_str().into(),
-                    action: "CheckConsumers",
-                    note: truncate(&now.message),
-                }),
+        .filter_map(|&kind| {
+            let now = new.iter().find(|c| c.type_ == kind)?;
+            match (was_seen(kind), now.status == "True") {
+                (false, true) => {
+                    Some(EventSpec { warning: true, reason: kind.into(), action, note: truncate(&now.message) })
+                }
                 (true, false) => Some(EventSpec {
                     warning: false,
                     reason: "FindingCleared".into(),
-                    action: "CheckConsumers",
-                    note: format!("{} no longer seen", f.as_str()),
+                    action,
+                    note: format!("{kind} no longer seen"),
                 }),
                 _ => None,
             }

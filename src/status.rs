@@ -293,14 +293,22 @@ fn finding_conditions(
     report
         .verdicts
         .iter()
-        .map(|v| {
-            let kind = v.finding.as_str();
-            match &v.seen {
-                Some(why) => condition_of(old, kind, "True", kind, why, generation, now),
-                None => condition_of(old, kind, "False", "NotSeen", "not seen at the last look", generation, now),
-            }
-        })
+        .map(|v| finding_condition(old, v.finding.as_str(), v.seen.as_deref(), generation, now))
         .collect()
+}
+
+/// A finding's condition: True (reason: the finding) with why while seen, else NotSeen.
+pub fn finding_condition(
+    old: &[Condition],
+    kind: &str,
+    seen: Option<&str>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
+    match seen {
+        Some(why) => condition_of(old, kind, "True", kind, why, generation, now),
+        None => condition_of(old, kind, "False", "NotSeen", "not seen at the last look", generation, now),
+    }
 }
 
 fn condition(

@@ -2,29 +2,19 @@
 //! `helm template` output with comment-only documents, objects spread over several files, and
 //! the message for input it cannot read. No broker and no cluster needed.
 
+mod common;
+
 use queueguard::check::Rule;
 use serde_json::{Value, json};
-use std::{
-    io::Write,
-    path::PathBuf,
-    process::{Command, Output, Stdio},
-};
+use std::{path::PathBuf, process::Output};
 
 fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/check/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
 fn check(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_queueguard"))
-        .arg("check")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin.unwrap_or("").as_bytes()).unwrap();
-    child.wait_with_output().unwrap()
+    let args: Vec<&str> = std::iter::once("check").chain(args.iter().copied()).collect();
+    common::run_binary(&args, &[], stdin)
 }
 
 fn stdout(out: &Output) -> String {

@@ -10,17 +10,8 @@ use std::{
 };
 
 fn queueguard(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_queueguard"))
-        .args(args)
-        .env("QUEUEGUARD_BROKER_URI", broker_uri())
-        .env("QUEUEGUARD_MANAGEMENT_URI", management_base())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin.unwrap_or("").as_bytes()).unwrap();
-    child.wait_with_output().unwrap()
+    let env = [("QUEUEGUARD_BROKER_URI", broker_uri()), ("QUEUEGUARD_MANAGEMENT_URI", management_base())];
+    run_binary(args, &env, stdin)
 }
 
 fn manifest(name: &str, queue: &str) -> String {

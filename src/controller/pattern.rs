@@ -4,7 +4,7 @@
 
 use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, endpoint, finalized, publish_for};
 use crate::{
-    events::{EventSpec, truncate},
+    events::{EventSpec, finding_transitions, truncate},
     metrics::PolicyLabels,
     pattern::{
         self, WatchMemory, WatchReport,
@@ -12,7 +12,7 @@ use crate::{
         crd::{PatternFinding, QueuePattern, QueuePatternStatus},
     },
     plan,
-    status::{Check, Reason, condition_of},
+    status::{Check, Reason, condition_of, finding_condition},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Condition, jiff::Timestamp};
 use kube::{
@@ -130,18 +130,11 @@ pub fn next_status(
         now,
     )];
     match report {
-        Some(r) => conditions.extend(r.verdicts.iter().map(|(f, seen)| match seen {
-            Some(why) => condition_of(&old.conditions, f.as_str(), "True", f.as_str(), why, generation, now),
-            None => condition_of(
-                &old.conditions,
-                f.as_str(),
-                "False",
-                "NotSeen",
-                "not seen at the last look",
-                generation,
-                now,
-            ),
-        })),
+        Some(r) => conditions.extend(
+            r.verdicts
+                .iter()
+                .map(|(f, seen)| finding_condition(&old.conditions, f.as_str(), seen.as_deref(), generation, now)),
+        ),
         None => conditions.extend(
             old.conditions.iter().filter(|c| PatternFinding::ALL.iter().any(|f| f.as_str() == c.type_)).cloned(),
         ),
@@ -156,31 +149,19 @@ pub fn next_status(
 
 /// Ready changing, and findings coming up (Warning) or clearing (Normal).
 fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
-    let before = |t: &str| old.iter().find(|c| c.type_ == t);
     let mut events = Vec::new();
-    for c in new {
-        let was = before(&c.type_);
-        if was.is_some_and(|w| w.status == c.status && w.reason == c.reason) {
-            continue;
-        }
-        let finding = c.type_ != "Ready";
-        let event = match (finding, c.status == "True") {
-            (false, ok) => {
-                EventSpec { warning: !ok, reason: c.reason.clone(), action: "ApplyPolicy", note: truncate(&c.message) }
-            }
-            (true, true) => {
-                EventSpec { warning: true, reason: c.type_.clone(), action: "WatchQueues", note: truncate(&c.message) }
-            }
-            (true, false) if was.is_some_and(|w| w.status == "True") => EventSpec {
-                warning: false,
-                reason: "FindingCleared".into(),
-                action: "WatchQueues",
-                note: format!("{} no longer seen", c.type_),
-            },
-            (true, false) => continue,
-        };
-        events.push(event);
+    if let Some(ready) = new.iter().find(|c| c.type_ == "Ready")
+        && !old.iter().any(|w| w.type_ == "Ready" && w.status == ready.status && w.reason == ready.reason)
+    {
+        events.push(EventSpec {
+            warning: ready.status != "True",
+            reason: ready.reason.clone(),
+            action: "ApplyPolicy",
+            note: truncate(&ready.message),
+        });
     }
+    let findings: Vec<&str> = PatternFinding::ALL.iter().map(|f| f.as_str()).collect();
+    events.extend(finding_transitions(old, new, &findings, "WatchQueues"));
     events
 }
 

@@ -244,3 +244,18 @@ pub fn broker_addr() -> String {
     let url = url::Url::parse(&broker_uri()).unwrap();
     format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5672))
 }
+
+/// Runs the built `queueguard` binary with `args` and `env`, feeding it `stdin`.
+pub fn run_binary(args: &[&str], env: &[(&str, String)], stdin: Option<&str>) -> std::process::Output {
+    use std::{io::Write, process::Stdio};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_queueguard"))
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
