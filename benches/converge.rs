@@ -1,7 +1,8 @@
 //! Convergence at scale: cold start to every QueuePolicy Ready for 1,000 policies (queue,
 //! dead-letter exchange, dead-letter queue, binding each) through the operator's own reconcile,
-//! with the Kubernetes API in memory, against the floor: a plain lapin loop issuing the same
-//! declarations on one channel. Then the steady state: the same 1,000 policies, unchanged,
+//! with the Kubernetes API in memory, against the floor: a plain loop issuing the same
+//! declarations on one lapin channel (and, in Policy mode, the same broker policies one PUT after
+//! another on one HTTP connection). Then the steady state: the same 1,000 policies, unchanged,
 //! reconciled again.
 //!
 //! `cargo bench --bench converge` against the local broker (QUEUEGUARD_BENCH_BROKER,
@@ -44,10 +45,12 @@ fn env(key: &str, default: &str) -> String {
 }
 
 /// The Kubernetes API in memory: Secrets, QueuePolicies (status patches applied), Events.
+/// Objects are kept as JSON text, as an API server keeps them, so that what this process holds
+/// for the API side stays small next to the operator's own memory.
 #[derive(Clone, Default)]
 struct FakeApi {
     secret: Value,
-    policies: Arc<Mutex<HashMap<String, Value>>>,
+    policies: Arc<Mutex<HashMap<String, String>>>,
     requests: Arc<AtomicU64>,
 }
 
@@ -61,8 +64,10 @@ impl FakeApi {
                 let patch: Value = serde_json::from_slice(body).unwrap();
                 let mut policies = self.policies.lock().unwrap();
                 let stored = policies.get_mut(*name).expect("known policy");
-                stored["status"] = patch["status"].clone();
-                (StatusCode::OK, stored.clone())
+                let mut object: Value = serde_json::from_str(stored).unwrap();
+                object["status"] = patch["status"].clone();
+                *stored = object.to_string();
+                (StatusCode::OK, object)
             }
             ("POST", ["apis", "events.k8s.io", "v1", "namespaces", _, "events"]) => {
                 (StatusCode::CREATED, serde_json::from_slice(body).unwrap())
@@ -202,7 +207,7 @@ async fn main() {
     for i in 0..n {
         let name = format!("p{i}");
         let value = policy(&name, &format!("{run}.op.{i}"), &mode);
-        api.policies.lock().unwrap().insert(name, value.clone());
+        api.policies.lock().unwrap().insert(name, value.to_string());
         objects.push(serde_json::from_value::<QueuePolicy>(value).unwrap());
     }
     let ctx = Arc::new(Context::new(api.client(), "queueguard-bench"));
@@ -213,28 +218,18 @@ async fn main() {
     let started = Instant::now();
     let failed = reconcile_all(&ctx, objects.clone()).await;
     let operator = started.elapsed();
-    let ready = api
-        .policies
-        .lock()
-        .unwrap()
-        .values()
-        .filter(|p| {
-            p["status"]["conditions"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
-        })
-        .count();
-    let mut reasons: HashMap<String, usize> = HashMap::new();
-    for p in api.policies.lock().unwrap().values() {
-        let ready = p["status"]["conditions"].as_array().and_then(|c| c.iter().find(|c| c["type"] == "Ready").cloned());
-        if let Some(r) = ready.filter(|r| r["status"] != "True") {
-            *reasons
-                .entry(format!(
-                    "{}: {}",
-                    r["reason"],
-                    r["message"].as_str().unwrap_or("").chars().take(120).collect::<String>()
-                ))
-                .or_default() += 1;
+    // Read one stored object at a time: the benchmark's own memory must not add to the peak.
+    let (mut ready, mut reasons) = (0, HashMap::<String, usize>::new());
+    for text in api.policies.lock().unwrap().values() {
+        let object: Value = serde_json::from_str(text).unwrap();
+        let conditions = object["status"]["conditions"].as_array().cloned().unwrap_or_default();
+        match conditions.iter().find(|c| c["type"] == "Ready") {
+            Some(r) if r["status"] == "True" => ready += 1,
+            Some(r) => {
+                let message: String = r["message"].as_str().unwrap_or("").chars().take(120).collect();
+                *reasons.entry(format!("{}: {message}", r["reason"])).or_default() += 1;
+            }
+            None => {}
         }
     }
     for (reason, count) in &reasons {
@@ -243,21 +238,18 @@ async fn main() {
     let cold_methods = methods.load(Ordering::Relaxed);
     let cold_mgmt = ctx.brokers.management_requests();
     let connections = ctx.brokers.connections_opened();
-    let rss = rss_mib("VmHWM:");
-    let operator_rss = rss - baseline;
     println!(
-        "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s), peak RSS {rss:.1} MiB (the operator's part, above the {baseline:.1} MiB the benchmark held before: {operator_rss:.1} MiB)",
+        "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s)",
         operator.as_secs_f64()
     );
 
-    // Steady state: the same policies, with the status the first pass wrote.
+    // Steady state: the same policies with the status the first pass wrote, as the operator's
+    // watch cache would hold them.
     let steady_objects: Vec<QueuePolicy> = {
         let stored = api.policies.lock().unwrap();
-        objects
-            .iter()
-            .map(|p| serde_json::from_value(stored[&p.metadata.name.clone().unwrap()].clone()).unwrap())
-            .collect()
+        objects.iter().map(|p| serde_json::from_str(&stored[&p.metadata.name.clone().unwrap()]).unwrap()).collect()
     };
+    drop(objects);
     let kube_before = api.requests.load(Ordering::Relaxed);
     let started = Instant::now();
     let steady_failed = reconcile_all(&ctx, steady_objects).await;
@@ -269,13 +261,24 @@ async fn main() {
         "  operator steady state: {:.3}s, {steady_methods} AMQP methods, {steady_mgmt} management requests, {steady_kube} Kubernetes API requests, {steady_failed} failed",
         steady.as_secs_f64()
     );
+    let rss = rss_mib("VmHWM:");
+    let operator_rss = rss - baseline;
+    println!(
+        "  peak RSS {rss:.1} MiB; the operator's part, above the {baseline:.1} MiB the benchmark held before: {operator_rss:.1} MiB"
+    );
 
-    // The floor: the same declarations, one channel, one after another.
+    // The floor starts from the same empty broker: the operator's queues and policies go first.
     let conn = Connection::connect(&format!("amqp://guest:guest@{broker_host}/%2F"), ConnectionProperties::default())
         .await
         .unwrap();
+    let http = reqwest::Client::new();
+    let management = Management { http: &http, base: &management };
+    remove(&conn, &management, (0..n).map(|i| (format!("{run}.op.{i}"), format!("queueguard.bench.p{i}")))).await;
+
+    // The floor: the same declarations (and policies), one after another.
     let ch = conn.create_channel().await.unwrap();
     let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    let policy_mode = mode == "Policy";
     let started = Instant::now();
     for i in 0..n {
         let queue = format!("{run}.floor.{i}");
@@ -292,42 +295,82 @@ async fn main() {
         )
         .await
         .unwrap();
+        let settings = [
+            ("x-expires", AMQPValue::LongLongInt(1_800_000)),
+            ("x-dead-letter-exchange", AMQPValue::LongString(dlx.as_str().into())),
+            ("x-dead-letter-routing-key", AMQPValue::LongString(queue.as_str().into())),
+        ];
         let mut args = FieldTable::default();
-        args.insert("x-expires".into(), AMQPValue::LongLongInt(1_800_000));
-        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(dlx.as_str().into()));
-        args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(queue.as_str().into()));
-        ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
-    }
-    let floor = started.elapsed();
-    println!("  floor (plain lapin, one channel): {:.2}s, {} AMQP methods", floor.as_secs_f64(), n * 4);
-    let ratio = operator.as_secs_f64() / floor.as_secs_f64();
-    println!("  ratio operator / floor = {ratio:.2}");
-
-    // Clean up: both sets of queues, exchanges and the operator's policies.
-    let cleanup = conn.create_channel().await.unwrap();
-    for i in 0..n {
-        for queue in [format!("{run}.op.{i}"), format!("{run}.floor.{i}")] {
-            for q in [queue.clone(), format!("{queue}.dlq")] {
-                let _ = cleanup.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+        if !policy_mode {
+            for (key, value) in settings {
+                args.insert(key.into(), value);
             }
-            let _ =
-                cleanup.exchange_delete(format!("{queue}.dlx").as_str().into(), ExchangeDeleteOptions::default()).await;
+        }
+        ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
+        if policy_mode {
+            let definition =
+                json!({"expires": 1_800_000, "dead-letter-exchange": dlx, "dead-letter-routing-key": queue});
+            management.put_policy(&format!("floor.p{i}"), &queue, definition).await;
         }
     }
-    let http = reqwest::Client::new();
-    for i in 0..n {
-        let _ = http
-            .delete(format!("{management}/api/policies/%2F/queueguard.bench.p{i}"))
-            .basic_auth("guest", Some("guest"))
-            .send()
-            .await;
-    }
+    let floor = started.elapsed();
+    let floor_calls = if policy_mode {
+        format!("{} AMQP methods + {n} policy PUTs", n * 4)
+    } else {
+        format!("{} AMQP methods", n * 4)
+    };
+    println!("  floor (plain loop, one channel): {:.2}s, {floor_calls}", floor.as_secs_f64());
+    let ratio = operator.as_secs_f64() / floor.as_secs_f64();
+    println!("  ratio operator / floor = {ratio:.2}");
+    remove(&conn, &management, (0..n).map(|i| (format!("{run}.floor.{i}"), format!("floor.p{i}")))).await;
+
     println!(
         "summary policies={n} mode={mode} operator_s={:.2} floor_s={:.2} ratio={ratio:.2} connections={connections} peak_rss_mib={rss:.1} operator_rss_mib={operator_rss:.1} ready={ready} cold_amqp_methods={cold_methods} cold_mgmt_requests={cold_mgmt} steady_s={:.3} steady_amqp_methods={steady_methods} steady_mgmt_requests={steady_mgmt} steady_kube_requests={steady_kube}",
         operator.as_secs_f64(),
         floor.as_secs_f64(),
         steady.as_secs_f64()
     );
+}
+
+/// The management API as the floor and the clean-up use it: plain requests, one client.
+struct Management<'a> {
+    http: &'a reqwest::Client,
+    base: &'a str,
+}
+
+impl Management<'_> {
+    async fn put_policy(&self, name: &str, queue: &str, definition: Value) {
+        let body = json!({
+            "pattern": format!("^{}$", regex::escape(queue)), "apply-to": "queues",
+            "priority": queueguard::settings::POLICY_PRIORITY, "definition": definition,
+        });
+        let url = format!("{}/api/policies/%2F/{name}", self.base);
+        let answer = self.http.put(url).basic_auth("guest", Some("guest")).json(&body).send().await.unwrap();
+        assert!(answer.status().is_success(), "PUT policy {name}: {}", answer.status());
+    }
+
+    async fn delete_policy(&self, name: &str) {
+        let url = format!("{}/api/policies/%2F/{name}", self.base);
+        let _ = self.http.delete(url).basic_auth("guest", Some("guest")).send().await;
+    }
+}
+
+/// Deletes each (queue, policy): queues, dead-letter queues and exchanges first, so that each
+/// policy deletion has few queues left to re-match (the broker re-matches every queue of the
+/// vhost on each policy change).
+async fn remove(conn: &Connection, management: &Management<'_>, items: impl Iterator<Item = (String, String)>) {
+    let ch = conn.create_channel().await.unwrap();
+    let mut policies = Vec::new();
+    for (queue, policy) in items {
+        for q in [queue.clone(), format!("{queue}.dlq")] {
+            let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+        }
+        let _ = ch.exchange_delete(format!("{queue}.dlx").as_str().into(), ExchangeDeleteOptions::default()).await;
+        policies.push(policy);
+    }
+    for policy in policies {
+        management.delete_policy(&policy).await;
+    }
 }
 
 fn base64(s: &str) -> String {

@@ -182,7 +182,8 @@ async fn a_conflicting_existing_queue_is_reported_and_left_exactly_as_it_was() {
     ch.queue_declare(name.as_str().into(), durable, args).await.unwrap();
     publish(&name, (0..5).map(|i| format!("m{i}"))).await;
 
-    let pool = BrokerPool::new(unique("conn"));
+    let connection_name = unique("conn");
+    let pool = BrokerPool::new(&connection_name);
     for (queue_yaml, received) in [("{}", "unset"), ("{settings: Arguments, expires: 30m}", "\"1800000\"")] {
         let plan = plan_of(&policy(&name, queue_yaml));
         let broker = broker(&pool, &plan);
@@ -207,6 +208,18 @@ async fn a_conflicting_existing_queue_is_reported_and_left_exactly_as_it_was() {
     let broker = broker(&pool, &other);
     assert!(converge::converge(&other, &broker, &[], Mode::Declare).await.is_ready());
     assert_eq!(pool.connections_opened(), 1);
+    // A small frame_max keeps lapin's per-connection buffers small (see broker::amqp::FRAME_MAX).
+    let frame_max = || async {
+        let all = mgmt_get("connections?columns=client_properties.connection_name,frame_max").await?;
+        let mine =
+            all.as_array()?.iter().find(|c| c["client_properties"]["connection_name"] == connection_name.as_str())?;
+        mine["frame_max"].as_u64()
+    };
+    assert!(
+        eventually(Duration::from_secs(15), || async { frame_max().await.is_some() }).await,
+        "the management API never listed connection {connection_name}"
+    );
+    assert_eq!(frame_max().await, Some(32 * 1024));
     remove_all(&other).await;
     remove_all(&plan_of(&policy(&name, "{}"))).await;
 }

@@ -187,14 +187,20 @@ async fn a_good_policy_is_declared_reported_ready_and_left_alone_when_nothing_ch
     );
     let (mut api, status) = server.await.unwrap();
 
-    // Second pass with that status in place: only the Secret is read; no patch, no Events.
+    // Second pass with that status in place: nothing is read (the Secret read of the first pass
+    // still serves), no patch, no Events.
     let mut p2 = p.clone();
     p2.status = Some(serde_json::from_value(status).unwrap());
     let server = tokio::spawn(async move {
-        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
         if let Ok(Some((req, _))) = tokio::time::timeout(Duration::from_secs(2), api.0.next_request()).await {
-            let body = req.into_body().collect_bytes().await.unwrap();
-            panic!("an unchanged status is not patched, got {}", String::from_utf8_lossy(&body));
+            let (parts, body) = req.into_parts();
+            let body = body.collect_bytes().await.unwrap();
+            panic!(
+                "the second pass sends nothing, got {} {} {}",
+                parts.method,
+                parts.uri,
+                String::from_utf8_lossy(&body)
+            );
         }
     });
     run(p2, ctx).await.unwrap();
@@ -412,7 +418,7 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     let echo = serde_json::to_value(&p2).unwrap();
     let n = name.clone();
     let server = tokio::spawn(async move {
-        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        // The first pass's Secret read still serves (controller::secrets).
         api.expect("GET", "/apis/apps/v1/namespaces/test/deployments/worker").await.respond(
             StatusCode::OK,
             &worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}})),
@@ -481,7 +487,7 @@ async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warn
     let mut p2 = p.clone();
     p2.status = Some(serde_json::from_value(status).unwrap());
     let server = tokio::spawn(async move {
-        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        // The first pass's Secret read still serves (controller::secrets).
         let event = api.expect_event("QueueRecreated", "Warning").await;
         assert!(event["note"].as_str().unwrap().contains("declared again"));
     });

@@ -14,6 +14,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// The largest frame the operator's connection accepts. It only sends declarations and reads
+/// small replies and event headers, and lapin keeps 32 frames of read and of write buffer per
+/// connection: at the broker's default of 128 KiB that is 8 MiB resident for nothing
+/// (measured by `cargo bench --bench converge`).
+const FRAME_MAX: u32 = 32 * 1024;
 /// How long a connection attempt may take before the broker counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Idle channels kept open per endpoint.
@@ -165,7 +170,9 @@ impl AmqpEndpoint {
         let props = ConnectionProperties::default().with_connection_name(self.connection_name.clone().into());
         let tls = OwnedTLSConfig { identity: None, cert_chain: self.ca_cert.clone() };
         let runtime = lapin::runtime::default_runtime()?;
-        Connection::connect_uri_with_config(self.uri.amqp().clone(), props, tls, runtime).await
+        let mut uri = self.uri.amqp().clone();
+        uri.query.frame_max = Some(FRAME_MAX);
+        Connection::connect_uri_with_config(uri, props, tls, runtime).await
     }
 
     fn unreachable(&self, detail: String, retry_in: Duration) -> AmqpError {

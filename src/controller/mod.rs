@@ -4,6 +4,7 @@
 
 mod gate;
 pub mod pattern;
+mod secrets;
 pub mod triggers;
 
 use self::gate as gate_io;
@@ -25,10 +26,7 @@ use crate::{
 };
 use futures::StreamExt;
 use k8s_openapi::{
-    api::{
-        apps::v1::Deployment,
-        core::v1::{Pod, Secret},
-    },
+    api::{apps::v1::Deployment, core::v1::Pod},
     jiff::Timestamp,
 };
 use kube::{
@@ -114,6 +112,7 @@ pub struct Context {
     looked: Mutex<HashMap<ObjectRef<QueuePolicy>, (findings::Memory, Instant)>>,
     /// What the QueuePattern watch remembers between looks.
     watched: pattern::Watched,
+    secrets: secrets::Secrets,
 }
 
 struct Converged {
@@ -137,6 +136,7 @@ impl Context {
             converged: Mutex::default(),
             looked: Mutex::default(),
             watched: Mutex::default(),
+            secrets: secrets::Secrets::default(),
         }
     }
 }
@@ -554,8 +554,7 @@ pub(crate) async fn endpoint(
     secret_name: &str,
     vhost: Option<&str>,
 ) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    let Some(found) = secrets.get_opt(secret_name).await? else {
+    let Some(found) = ctx.secrets.get(&ctx.client, ns, secret_name).await? else {
         return Ok(Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{secret_name}' not found"))));
     };
     Ok(secret::credentials(&found).and_then(|creds| reconcile::endpoint(&ctx.brokers, secret_name, vhost, &creds)))
