@@ -11,6 +11,11 @@ use serde_json::{Map, Value};
 use std::{collections::HashMap, time::Duration};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// A write (policy set or cleared, connection closed) may take longer: RabbitMQ re-matches every
+/// queue of the vhost against every policy on each policy change, holding its queue tables
+/// meanwhile, so on a vhost with thousands of queues one change takes seconds (measured by
+/// `cargo bench --bench converge`, Policy mode).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ManagementError {
@@ -125,9 +130,12 @@ impl ConnectionInfo {
     }
 }
 
-/// Requests to one management API in flight at once: its HTTP server and the policy updates
-/// behind it do not get faster with more, and a flood makes requests time out.
+/// Requests to one management API in flight at once: its HTTP server does not get faster with
+/// more, and a flood makes requests time out.
 const IN_FLIGHT: usize = 4;
+/// Writes in flight at once, within [`IN_FLIGHT`]: the broker applies policy changes one at a
+/// time, so concurrent writes only wait inside it, each on the clock of its own timeout.
+const WRITES_IN_FLIGHT: usize = 1;
 /// Per vhost: when the last policy read went out, and what it returned.
 type PolicyCache = HashMap<String, (std::time::Instant, Vec<PolicyInfo>)>;
 
@@ -138,13 +146,14 @@ pub struct ManagementClient {
     /// Requests sent, for the benchmarks' round-trip counts.
     requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
     in_flight: std::sync::Arc<tokio::sync::Semaphore>,
+    writes: std::sync::Arc<tokio::sync::Semaphore>,
     policies: std::sync::Arc<tokio::sync::Mutex<PolicyCache>>,
 }
 
 impl ManagementClient {
     pub fn new(endpoint: ManagementEndpoint, ca_cert: Option<&str>) -> Result<Self, ManagementError> {
         crate::tls::install_crypto_provider();
-        let mut builder = reqwest::Client::builder().timeout(TIMEOUT).connect_timeout(TIMEOUT);
+        let mut builder = reqwest::Client::builder().connect_timeout(TIMEOUT);
         if let Some(pem) = ca_cert {
             let cert = reqwest::Certificate::from_pem(pem.as_bytes()).map_err(|e| ManagementError::Rejected {
                 what: "the CA certificate".into(),
@@ -162,6 +171,7 @@ impl ManagementClient {
             http,
             requests: Default::default(),
             in_flight: std::sync::Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
+            writes: std::sync::Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             policies: Default::default(),
         })
     }
@@ -295,6 +305,9 @@ impl ManagementClient {
         query: &str,
         body: Option<Value>,
     ) -> Result<Option<Vec<u8>>, ManagementError> {
+        let write = method != Method::GET;
+        let _write_permit =
+            if write { Some(self.writes.acquire().await.expect("the semaphore is never closed")) } else { None };
         let _permit = self.in_flight.acquire().await.expect("the semaphore is never closed");
         self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut url = self.url(path);
@@ -302,15 +315,26 @@ impl ManagementClient {
             url.set_query(Some(query));
         }
         let what = format!("{method} {}", describe(path));
-        let mut request =
-            self.http.request(method, url).basic_auth(&self.endpoint.username, Some(&self.endpoint.password));
+        let timeout = if write { WRITE_TIMEOUT } else { TIMEOUT };
+        let mut request = self
+            .http
+            .request(method, url)
+            .timeout(timeout)
+            .basic_auth(&self.endpoint.username, Some(&self.endpoint.password));
         if let Some(body) = body {
             request = request.json(&body);
         }
         let unreachable = |detail: String| ManagementError::Unreachable { endpoint: self.display(), detail };
-        let response = request.send().await.map_err(|e| unreachable(error_chain(&e)))?;
+        let failed = |e: reqwest::Error| {
+            if e.is_timeout() {
+                unreachable(format!("no answer to {what} within {}s", timeout.as_secs()))
+            } else {
+                unreachable(error_chain(&e))
+            }
+        };
+        let response = request.send().await.map_err(failed)?;
         let status = response.status();
-        let bytes = response.bytes().await.map_err(|e| unreachable(error_chain(&e)))?;
+        let bytes = response.bytes().await.map_err(failed)?;
         match status {
             s if s.is_success() => Ok(Some(bytes.to_vec())),
             StatusCode::NOT_FOUND => Ok(None),
@@ -364,6 +388,75 @@ mod tests {
         };
         let client = ManagementClient::new(endpoint, None).unwrap();
         assert_eq!(client.url(&["queues", "/", "a.b c"]).as_str(), "http://h:15672/prefix/api/queues/%2F/a%2Eb%20c");
+    }
+
+    /// An HTTP server that answers every request after `delay` (never, for None) and reports
+    /// the most requests it held at once, by method.
+    async fn slow_server(delay: Option<Duration>) -> (ManagementClient, std::sync::Arc<std::sync::Mutex<[usize; 4]>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base_url = format!("http://{}/", listener.local_addr().unwrap()).parse().unwrap();
+        // [GETs now, GETs at most, writes now, writes at most]
+        let seen = std::sync::Arc::new(std::sync::Mutex::new([0usize; 4]));
+        let counts = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let counts = counts.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut byte = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") && socket.read(&mut byte).await.unwrap_or(0) == 1 {
+                        head.push(byte[0]);
+                    }
+                    let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                    let length = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |n| n.trim().parse().unwrap());
+                    let mut body = vec![0u8; length];
+                    socket.read_exact(&mut body).await.unwrap();
+                    let slot = if head.starts_with(b"GET") { 0 } else { 2 };
+                    {
+                        let mut c = counts.lock().unwrap();
+                        c[slot] += 1;
+                        c[slot + 1] = c[slot + 1].max(c[slot]);
+                    }
+                    let Some(delay) = delay else { return std::future::pending().await };
+                    tokio::time::sleep(delay).await;
+                    counts.lock().unwrap()[slot] -= 1;
+                    let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n[]";
+                    let _ = socket.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        let endpoint = ManagementEndpoint { base_url, username: "u".into(), password: "p".into() };
+        (ManagementClient::new(endpoint, None).unwrap(), seen)
+    }
+
+    #[tokio::test]
+    async fn a_silent_management_api_is_reported_as_such_after_the_timeout() {
+        let (client, _) = slow_server(None).await;
+        let err = client.queue_names("/").await.unwrap_err().to_string();
+        assert!(err.contains("unreachable: no answer to GET /api/queues/") && err.ends_with("within 10s"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn writes_go_one_at_a_time_while_reads_share_the_bound() {
+        let (client, seen) = slow_server(Some(Duration::from_millis(200))).await;
+        let policy = PolicyInfo {
+            name: "p".into(),
+            pattern: "^q$".into(),
+            apply_to: "queues".into(),
+            priority: 1,
+            definition: Map::new(),
+        };
+        let writes = (0..3).map(|_| client.put_policy("/", &policy));
+        let reads = (0..6).map(|_| client.queue_names("/"));
+        let (w, r) = tokio::join!(futures::future::join_all(writes), futures::future::join_all(reads));
+        assert!(w.iter().all(Result::is_ok) && r.iter().all(Result::is_ok));
+        let [_, reads_at_once, _, writes_at_once] = *seen.lock().unwrap();
+        assert_eq!(writes_at_once, WRITES_IN_FLIGHT);
+        assert!(reads_at_once > 1 && reads_at_once <= IN_FLIGHT, "{reads_at_once}");
     }
 
     #[test]
