@@ -227,11 +227,11 @@ async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check,
         ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
         ManagementError::Rejected { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
     };
-    let existing = match broker.management.policies(vhost).await {
-        Ok(p) => p,
+    // The list is let go before the write, so recording our write need not copy it.
+    let decision = match broker.management.policies(vhost).await {
+        Ok(existing) => settings::policy_decision(plan, &existing),
         Err(e) => return (failed(e), None),
     };
-    let decision = settings::policy_decision(plan, &existing);
     if !decision.up_to_date
         && let Err(e) = broker.management.put_policy(vhost, &decision.desired).await
     {

@@ -103,12 +103,15 @@ pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecis
         })
         .filter(|p| p.apply_to != "classic_queues" || plan.queue_type == crate::crd::QueueType::Classic)
         .filter(|p| p.apply_to != "quorum_queues" || plan.queue_type == crate::crd::QueueType::Quorum)
-        .filter(|p| match Regex::new(&p.pattern) {
-            Ok(re) => re.is_match(&plan.queue),
-            Err(_) => {
-                unreadable.push(p.name.clone());
-                false
-            }
+        .filter(|p| match exact_name(&p.pattern) {
+            Some(name) => name == plan.queue,
+            None => match Regex::new(&p.pattern) {
+                Ok(re) => re.is_match(&plan.queue),
+                Err(_) => {
+                    unreadable.push(p.name.clone());
+                    false
+                }
+            },
         })
         .collect();
     // Highest priority first; among equals, by name, so the choice is stable.
@@ -136,6 +139,24 @@ pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecis
     };
     let up_to_date = existing.contains(&desired);
     PolicyDecision { desired, up_to_date, shadowed_by, displaced: displaced.map(|p| p.name.clone()), unreadable }
+}
+
+/// The one name a pattern of the form `^literal$` matches, or None for any other pattern.
+/// Operator policies all have this form, so a vhost of a thousand of them is checked without
+/// compiling a thousand regular expressions per reconcile.
+fn exact_name(pattern: &str) -> Option<String> {
+    let mut chars = pattern.strip_prefix('^')?.chars();
+    let mut name = String::new();
+    while let Some(c) = chars.next() {
+        match c {
+            // `\.` is a literal dot, `\d` a class: only escaped punctuation is literal.
+            '\\' => name.push(chars.next().filter(char::is_ascii_punctuation)?),
+            '$' => return chars.next().is_none().then_some(name),
+            '.' | '+' | '*' | '?' | '(' | ')' | '|' | '[' | ']' | '{' | '}' | '^' => return None,
+            c => name.push(c),
+        }
+    }
+    None
 }
 
 /// Where an existing queue's arguments (as the management API lists them) differ from the ones
@@ -180,6 +201,30 @@ fn to_json(v: &ArgValue) -> Value {
 mod tests {
     use super::*;
     use crate::{plan::Limits, testing::policy_yaml};
+
+    #[test]
+    fn exact_name_reads_only_anchored_literals() {
+        for name in ["orders", "orders.v1+eu", "a$b", "x^y", "tab\tin", "(a|b)", "", "\\", "ünï"] {
+            let pattern = format!("^{}$", regex::escape(name));
+            assert_eq!(exact_name(&pattern).as_deref(), Some(name), "{pattern}");
+        }
+        for pattern in ["orders", "^orders", "orders$", "^ord.rs$", "^\\d+$", "^a|b$", "^a$b", "^a\\$", "^(a)$", "^a*$"]
+        {
+            assert_eq!(exact_name(pattern), None, "{pattern}");
+        }
+    }
+
+    #[test]
+    fn exact_name_agrees_with_the_regex() {
+        let names = ["orders", "orders.v1+eu", "ordersX", "xorders", "orders\n", "a$b", "a", ""];
+        for pattern in ["^orders$", "^orders\\.v1\\+eu$", "^a\\$b$", "^$", "^a$"] {
+            let re = Regex::new(pattern).unwrap();
+            for name in names {
+                let fast = exact_name(pattern).map(|n| n == name);
+                assert_eq!(fast, Some(re.is_match(name)), "{pattern} on {name:?}");
+            }
+        }
+    }
 
     fn plan_of(queue_yaml: &str) -> QueuePlan {
         crate::plan::plan(&policy_yaml(queue_yaml), Limits::default()).unwrap()

@@ -8,7 +8,7 @@ use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use reqwest::{Method, StatusCode};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::{Map, Value};
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 /// A write (policy set or cleared, connection closed) may take longer: RabbitMQ re-matches every
@@ -137,17 +137,18 @@ const IN_FLIGHT: usize = 4;
 /// time, so concurrent writes only wait inside it, each on the clock of its own timeout.
 const WRITES_IN_FLIGHT: usize = 1;
 /// Per vhost: when the last policy read went out, and what it returned.
-type PolicyCache = HashMap<String, (std::time::Instant, Vec<PolicyInfo>)>;
+/// Each vhost's policy list, shared rather than copied: a vhost can hold a thousand policies.
+type PolicyCache = HashMap<String, (std::time::Instant, Arc<Vec<PolicyInfo>>)>;
 
 #[derive(Clone)]
 pub struct ManagementClient {
     endpoint: ManagementEndpoint,
     http: reqwest::Client,
     /// Requests sent, for the benchmarks' round-trip counts.
-    requests: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    in_flight: std::sync::Arc<tokio::sync::Semaphore>,
-    writes: std::sync::Arc<tokio::sync::Semaphore>,
-    policies: std::sync::Arc<tokio::sync::Mutex<PolicyCache>>,
+    requests: Arc<std::sync::atomic::AtomicU64>,
+    in_flight: Arc<tokio::sync::Semaphore>,
+    writes: Arc<tokio::sync::Semaphore>,
+    policies: Arc<tokio::sync::Mutex<PolicyCache>>,
 }
 
 impl ManagementClient {
@@ -170,8 +171,8 @@ impl ManagementClient {
             endpoint,
             http,
             requests: Default::default(),
-            in_flight: std::sync::Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
-            writes: std::sync::Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
+            writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             policies: Default::default(),
         })
     }
@@ -192,23 +193,25 @@ impl ManagementClient {
     /// The vhost's policies. Concurrent callers share one read: a caller that waited while
     /// another read went out after it asked takes that answer, which is as fresh as its own
     /// would have been; nobody gets a list read before they asked (plus our own writes since).
-    pub async fn policies(&self, vhost: &str) -> Result<Vec<PolicyInfo>, ManagementError> {
+    pub async fn policies(&self, vhost: &str) -> Result<Arc<Vec<PolicyInfo>>, ManagementError> {
         let asked = std::time::Instant::now();
         let mut cache = self.policies.lock().await;
         if let Some((read_at, list)) = cache.get(vhost)
             && *read_at >= asked
         {
-            return Ok(list.clone());
+            return Ok(Arc::clone(list));
         }
         let read_at = std::time::Instant::now();
-        let list: Vec<PolicyInfo> = self.get_opt(&["policies", vhost]).await?.unwrap_or_default();
-        cache.insert(vhost.to_owned(), (read_at, list.clone()));
+        let list = Arc::new(self.get_opt(&["policies", vhost]).await?.unwrap_or_default());
+        cache.insert(vhost.to_owned(), (read_at, Arc::clone(&list)));
         Ok(list)
     }
 
-    /// Keeps the cached list in step with a write of our own.
+    /// Keeps the cached list in step with a write of our own. Copies it only while a caller
+    /// still holds the previous version.
     async fn remember(&self, vhost: &str, name: &str, written: Option<&PolicyInfo>) {
         if let Some((_, list)) = self.policies.lock().await.get_mut(vhost) {
+            let list = Arc::make_mut(list);
             list.retain(|p| p.name != name);
             list.extend(written.cloned());
         }
@@ -392,12 +395,12 @@ mod tests {
 
     /// An HTTP server that answers every request after `delay` (never, for None) and reports
     /// the most requests it held at once, by method.
-    async fn slow_server(delay: Option<Duration>) -> (ManagementClient, std::sync::Arc<std::sync::Mutex<[usize; 4]>>) {
+    async fn slow_server(delay: Option<Duration>) -> (ManagementClient, Arc<std::sync::Mutex<[usize; 4]>>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base_url = format!("http://{}/", listener.local_addr().unwrap()).parse().unwrap();
         // [GETs now, GETs at most, writes now, writes at most]
-        let seen = std::sync::Arc::new(std::sync::Mutex::new([0usize; 4]));
+        let seen = Arc::new(std::sync::Mutex::new([0usize; 4]));
         let counts = seen.clone();
         tokio::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {

@@ -20,13 +20,11 @@ pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
         priority: plan.priority,
         definition: plan.definition.clone(),
     };
-    let existing = match broker.management.policies(&vhost).await {
-        Ok(p) => p,
+    let up_to_date = match broker.management.policies(&vhost).await {
+        Ok(existing) => existing.contains(&desired),
         Err(e) => return failed(e),
     };
-    if !existing.contains(&desired)
-        && let Err(e) = broker.management.put_policy(&vhost, &desired).await
-    {
+    if !up_to_date && let Err(e) = broker.management.put_policy(&vhost, &desired).await {
         return failed(e);
     }
     let keys: Vec<&str> = plan.definition.keys().map(String::as_str).collect();
