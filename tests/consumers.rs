@@ -215,7 +215,7 @@ fn the_consumers_command_lists_and_watches() {
             .envs(env.clone())
             .output()
             .unwrap();
-        assert!(out.status.success());
+        assert!(out.status.success(), "queueguard consumers failed: {}", String::from_utf8_lossy(&out.stderr));
         listed = serde_json::from_slice(&out.stdout).unwrap();
         if !listed.as_array().unwrap().is_empty() {
             break;

@@ -130,14 +130,21 @@ impl ConnectionInfo {
     }
 }
 
+/// The consumers whose channel is still open. While a channel closes, the management API lists
+/// its consumers with empty `channel_details` (`[]` in 3.10, `{}` since): they are detaching, and
+/// one of them must not make the whole list unreadable.
+fn live_consumers(rows: Vec<Value>) -> Result<Vec<ConsumerInfo>, serde_json::Error> {
+    rows.into_iter().filter(|r| r.pointer("/channel_details/name").is_some()).map(serde_json::from_value).collect()
+}
+
 /// Requests to one management API in flight at once: its HTTP server does not get faster with
 /// more, and a flood makes requests time out.
 const IN_FLIGHT: usize = 4;
 /// Writes in flight at once, within [`IN_FLIGHT`]: the broker applies policy changes one at a
 /// time, so concurrent writes only wait inside it, each on the clock of its own timeout.
 const WRITES_IN_FLIGHT: usize = 1;
-/// Per vhost: when the last policy read went out, and what it returned.
-/// Each vhost's policy list, shared rather than copied: a vhost can hold a thousand policies.
+/// Per vhost: when the last policy read went out, and what it returned, shared rather than
+/// copied (a vhost can hold a thousand policies).
 type PolicyCache = HashMap<String, (std::time::Instant, Arc<Vec<PolicyInfo>>)>;
 
 #[derive(Clone)]
@@ -242,7 +249,12 @@ impl ManagementClient {
 
     /// Every consumer the management user can see, on every vhost.
     pub async fn consumers(&self) -> Result<Vec<ConsumerInfo>, ManagementError> {
-        Ok(self.get_opt(&["consumers"]).await?.unwrap_or_default())
+        let rows: Vec<Value> = self.get_opt(&["consumers"]).await?.unwrap_or_default();
+        live_consumers(rows).map_err(|e| ManagementError::Rejected {
+            what: format!("GET {}", describe(&["consumers"])),
+            status: 200,
+            reason: format!("unexpected answer: {e}"),
+        })
     }
 
     /// User-provided connection names by connection name (`peer:port -> host:port`).
@@ -381,6 +393,30 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn consumers_of_a_closing_channel_are_left_out_and_the_rest_still_read() {
+        let consumer = |tag: &str, details: Value| {
+            serde_json::json!({
+                "consumer_tag": tag, "prefetch_count": 3, "ack_required": false,
+                "queue": {"name": "orders", "vhost": "/"}, "channel_details": details,
+            })
+        };
+        let open = serde_json::json!({"name": "10.0.0.7:5555 -> 10.0.0.2:5672 (1)", "peer_host": "10.0.0.7"});
+        let rows = vec![
+            consumer("a", open),
+            consumer("closing-3.10", serde_json::json!([])),
+            consumer("closing", serde_json::json!({})),
+        ];
+        let live = live_consumers(rows).unwrap();
+        assert_eq!(live.iter().map(|c| c.consumer_tag.as_str()).collect::<Vec<_>>(), ["a"]);
+        assert_eq!((live[0].prefetch_count, live[0].ack_required), (3, false));
+        assert_eq!(live[0].channel_details.peer_host.as_deref(), Some("10.0.0.7"));
+        // Anything else unreadable is still an error, not a silently shorter list.
+        let mut broken = consumer("b", serde_json::json!({"name": "x"}));
+        broken["queue"] = Value::Null;
+        assert!(live_consumers(vec![broken]).is_err());
+    }
 
     #[test]
     fn urls_encode_every_segment() {
