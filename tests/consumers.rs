@@ -112,9 +112,24 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
         .await
         .unwrap();
     let key = QueueKey::new("/", &name);
-    // The management API lists a consumer after its statistics interval.
+    // The management API lists a consumer, and separately its connection, after their
+    // statistics intervals: the consumer can be listed seconds before its connection's name.
     let listed = eventually(Duration::from_secs(15), || async {
-        mgmt_get("consumers/%2F").await.unwrap().as_array().unwrap().iter().any(|c| c["queue"]["name"] == json!(name))
+        let consumer = mgmt_get("consumers/%2F")
+            .await
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["queue"]["name"] == json!(name));
+        let connection = mgmt_get("connections")
+            .await
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["user_provided_name"] == json!(pod));
+        consumer && connection
     });
     assert!(listed.await);
     let t = tracker(&broker_uri());
