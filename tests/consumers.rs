@@ -114,22 +114,12 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
     let key = QueueKey::new("/", &name);
     // The management API lists a consumer, and separately its connection, after their
     // statistics intervals: the consumer can be listed seconds before its connection's name.
+    let lists = |path: &'static str, pointer: &'static str, value: String| async move {
+        mgmt_get(path).await.unwrap().as_array().unwrap().iter().any(|row| row.pointer(pointer) == Some(&json!(value)))
+    };
     let listed = eventually(Duration::from_secs(15), || async {
-        let consumer = mgmt_get("consumers/%2F")
-            .await
-            .unwrap()
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["queue"]["name"] == json!(name));
-        let connection = mgmt_get("connections")
-            .await
-            .unwrap()
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["user_provided_name"] == json!(pod));
-        consumer && connection
+        lists("consumers/%2F", "/queue/name", name.clone()).await
+            && lists("connections", "/user_provided_name", pod.clone()).await
     });
     assert!(listed.await);
     let t = tracker(&broker_uri());
