@@ -106,6 +106,13 @@ pub struct ConsumerInfo {
     pub channel_details: ChannelDetails,
 }
 
+/// The consumers whose channel is still open. While a channel closes, the management API lists
+/// its consumers with empty `channel_details` (`[]` in 3.10, `{}` since): they are detaching, and
+/// one of them must not make the whole list unreadable.
+fn live_consumers(rows: Vec<Value>) -> Result<Vec<ConsumerInfo>, serde_json::Error> {
+    rows.into_iter().filter(|r| r.pointer("/channel_details/name").is_some()).map(serde_json::from_value).collect()
+}
+
 fn yes() -> bool {
     true
 }
@@ -128,13 +135,6 @@ impl ConnectionInfo {
     pub fn connection_name(&self) -> Option<&str> {
         self.client_properties.get("connection_name").and_then(Value::as_str)
     }
-}
-
-/// The consumers whose channel is still open. While a channel closes, the management API lists
-/// its consumers with empty `channel_details` (`[]` in 3.10, `{}` since): they are detaching, and
-/// one of them must not make the whole list unreadable.
-fn live_consumers(rows: Vec<Value>) -> Result<Vec<ConsumerInfo>, serde_json::Error> {
-    rows.into_iter().filter(|r| r.pointer("/channel_details/name").is_some()).map(serde_json::from_value).collect()
 }
 
 /// Requests to one management API in flight at once: its HTTP server does not get faster with
@@ -250,11 +250,7 @@ impl ManagementClient {
     /// Every consumer the management user can see, on every vhost.
     pub async fn consumers(&self) -> Result<Vec<ConsumerInfo>, ManagementError> {
         let rows: Vec<Value> = self.get_opt(&["consumers"]).await?.unwrap_or_default();
-        live_consumers(rows).map_err(|e| ManagementError::Rejected {
-            what: format!("GET {}", describe(&["consumers"])),
-            status: 200,
-            reason: format!("unexpected answer: {e}"),
-        })
+        live_consumers(rows).map_err(|e| unexpected_answer(&["consumers"], &e))
     }
 
     /// User-provided connection names by connection name (`peer:port -> host:port`).
@@ -295,11 +291,7 @@ impl ManagementClient {
     async fn get_query<T: DeserializeOwned>(&self, path: &[&str], query: &str) -> Result<Option<T>, ManagementError> {
         match self.send_query(Method::GET, path, query, None).await? {
             None => Ok(None),
-            Some(body) => serde_json::from_slice(&body).map(Some).map_err(|e| ManagementError::Rejected {
-                what: format!("GET {}", describe(path)),
-                status: 200,
-                reason: format!("unexpected answer: {e}"),
-            }),
+            Some(body) => serde_json::from_slice(&body).map(Some).map_err(|e| unexpected_answer(path, &e)),
         }
     }
 
@@ -363,6 +355,15 @@ impl ManagementClient {
         let mut url = self.endpoint.base_url.clone();
         url.set_path(&format!("{}api/{}", url.path(), encoded.join("/")));
         url
+    }
+}
+
+/// A GET answered 200 with a body that is not what the API documents.
+fn unexpected_answer(path: &[&str], e: &serde_json::Error) -> ManagementError {
+    ManagementError::Rejected {
+        what: format!("GET {}", describe(path)),
+        status: 200,
+        reason: format!("unexpected answer: {e}"),
     }
 }
 
