@@ -300,16 +300,11 @@ async fn main() {
         )
         .await
         .unwrap();
-        let settings = [
-            ("x-expires", AMQPValue::LongLongInt(EXPIRES_MS)),
-            ("x-dead-letter-exchange", AMQPValue::LongString(dlx.as_str().into())),
-            ("x-dead-letter-routing-key", AMQPValue::LongString(queue.as_str().into())),
-        ];
         let mut args = FieldTable::default();
         if !policy_mode {
-            for (key, value) in settings {
-                args.insert(key.into(), value);
-            }
+            args.insert("x-expires".into(), AMQPValue::LongLongInt(EXPIRES_MS));
+            args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(dlx.as_str().into()));
+            args.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(queue.as_str().into()));
         }
         ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
         if policy_mode {
