@@ -5,13 +5,15 @@
 //! `cargo bench --bench gate_latency` against the local broker (QUEUEGUARD_BENCH_BROKER and
 //! QUEUEGUARD_BENCH_MANAGEMENT point elsewhere). Ends with one `key=value` summary line.
 
-use k8s_openapi::api::apps::v1::Deployment;
 use lapin::{Channel, Connection, ConnectionProperties, options::*, types::FieldTable};
 use queueguard::{
     broker::{BrokerPool, uri::BrokerUri},
     consumers::{Change, Consumer, ConsumerTracker},
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy},
-    gate::{self, GatePlan, Observed, pods::PodFacts},
+    gate::{
+        GatePlan,
+        verdict::{self, Ballot, Vote},
+    },
 };
 use std::{
     collections::HashMap,
@@ -53,30 +55,14 @@ fn plan() -> GatePlan {
     }
 }
 
-/// The operator's decision for the consumer's pod: what the reconcile runs once it is woken.
+/// The operator's decision for the consumer's pod: its vote on the pod (the index then combines
+/// the votes of every policy guarding it).
 fn decides_attached(plan: &GatePlan, tracker: &ConsumerTracker, consumer: &Consumer) -> bool {
-    let pod = PodFacts {
-        name: consumer.tag.clone(),
-        uid: "uid".into(),
-        ips: vec![consumer.peer_host.clone().unwrap_or_default()],
-        has_gate: true,
-        condition: None,
-        containers_ready_since_ms: Some(0),
-        deleting: false,
-    };
-    let mine = [consumer.clone()];
-    let decision = gate::decide(
-        plan,
-        &Observed {
-            queue: &consumer.queue,
-            deployments: &[] as &[Deployment],
-            pods: std::slice::from_ref(&pod),
-            consumers: &mine,
-            tracking: &tracker.tracking(),
-            now_ms: queueguard::consumers::tracker::now_ms(),
-        },
-    );
-    decision.pod_patches.iter().any(|p| p.attached)
+    let tracking = tracker.tracking(&consumer.queue.vhost);
+    let mine = [consumer];
+    let now = queueguard::consumers::tracker::now_ms();
+    let ballot = Ballot { plan, tracking: &tracking, mine: &mine, open: false, waiting_since: Some(0), now };
+    matches!(verdict::vote(&ballot).vote, Vote::Open { .. })
 }
 
 /// Records when the event path decides each consumer tag attached.
@@ -153,7 +139,7 @@ async fn main() {
     let uri = BrokerUri::parse(&broker, Some(&management)).expect("broker URI");
     let pool = BrokerPool::new("queueguard-bench");
     let tracker = pool.tracker(&uri, None).expect("tracker");
-    assert!(tracker.wait_synced(Duration::from_secs(15)).await, "the tracker syncs");
+    assert!(tracker.wait_synced("/", Duration::from_secs(15)).await, "the tracker syncs");
 
     let run = format!("qgbench.{}", std::process::id());
     let conn = Connection::connect(&broker, ConnectionProperties::default().with_connection_name("qgbench".into()))

@@ -122,6 +122,10 @@ pub struct DemoArgs {
     /// Consumer replicas.
     #[arg(long, default_value_t = 2)]
     pub replicas: usize,
+    /// Queues each consumer reads, each guarded by a QueuePolicy of its own (a worker with a
+    /// command and an event queue, say): a pod is Ready only once it reads every one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub queues: u8,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -326,8 +330,9 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
         }
     };
     let mut changes = tracker.subscribe();
-    tracker.wait_synced(std::time::Duration::from_secs(15)).await;
-    match tracker.tracking() {
+    tracker.watch_queue(queue.clone());
+    tracker.wait_synced(&queue.vhost, std::time::Duration::from_secs(15)).await;
+    match tracker.tracking(&queue.vhost) {
         Tracking::Unavailable(why) => {
             eprintln!("error: cannot see the broker: {why}");
             return ExitCode::FAILURE;
@@ -348,10 +353,11 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
     loop {
         tokio::select! {
             change = changes.recv() => match change {
-                Ok(change) if change.queue() == &queue => {
+                Ok(change) if change.queue() == Some(&queue) => {
                     use std::io::Write;
+                    let Some(line) = output::watch_line(&change, now_ms()) else { continue };
                     let mut out = std::io::stdout().lock();
-                    if writeln!(out, "{}", output::watch_line(&change, now_ms())).and_then(|()| out.flush()).is_err() {
+                    if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
                         return ExitCode::SUCCESS; // the reader went away
                     }
                 }
@@ -374,8 +380,15 @@ async fn demo(args: DemoArgs) -> ExitCode {
     };
     let mut reports = Vec::new();
     for guarded in [true, false] {
-        let scenario = Scenario::new(guarded, args.replicas, args.restarts);
-        eprintln!("running: {} ({} replicas, {} rolling restarts)", scenario.label(), args.replicas, args.restarts);
+        let scenario =
+            Scenario { queues: usize::from(args.queues), ..Scenario::new(guarded, args.replicas, args.restarts) };
+        eprintln!(
+            "running: {} ({} replicas, {} queues, {} rolling restarts)",
+            scenario.label(),
+            args.replicas,
+            args.queues,
+            args.restarts
+        );
         match simulation::run(&scenario, &uri).await {
             Ok(report) => reports.push(report),
             Err(e) => {
@@ -386,7 +399,8 @@ async fn demo(args: DemoArgs) -> ExitCode {
     }
     print!("{}", simulation::table(&reports));
     let guarded = &reports[0];
-    if guarded.lost == 0 && guarded.premature_opens == 0 && guarded.queue_deletions == 0 {
+    let kept_consumers = guarded.fewest_consumers.iter().all(|n| *n > 0);
+    if guarded.lost == 0 && guarded.premature_opens == 0 && guarded.queue_deletions == 0 && kept_consumers {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

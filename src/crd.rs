@@ -455,6 +455,9 @@ pub struct QueuePolicyStatus {
     /// Where the consumer Deployment's rollout stands (with spec.consumers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<RolloutObservation>,
+    /// The disruption budgets over the consumer pods (gate.podDisruptionBudget in Enforce mode).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disruption_budgets: Vec<DisruptionBudgetObservation>,
     /// A prefetch suggestion from the consumers' observed processing time and the round trip to
     /// the broker: (processing + round trip) / processing per consumer thread.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -514,10 +517,24 @@ pub struct PodAttachment {
 pub struct RolloutObservation {
     /// Idle, Progressing, WaitingForAttach (a ready pod waits for its consumer), or Stalled (one
     /// has waited longer than gate.attachTimeout).
-    pub phase: String,
-    /// Pods whose containers are ready but whose consumer has not attached yet.
+    pub phase: RolloutPhase,
+    /// Pods whose containers are ready but whose readiness gate is still closed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub waiting_pods: Vec<WaitingPod>,
+}
+
+/// Where a rollout stands.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum RolloutPhase {
+    /// Nothing to roll out, nobody waiting.
+    #[default]
+    Idle,
+    /// The Deployment is replacing pods; none waits for its consumer.
+    Progressing,
+    /// A ready pod waits for its consumer.
+    WaitingForAttach,
+    /// A pod has waited longer than gate.attachTimeout.
+    Stalled,
 }
 
 /// A pod held back by the gate.
@@ -526,9 +543,38 @@ pub struct RolloutObservation {
 pub struct WaitingPod {
     /// Pod name.
     pub name: String,
-    /// Since when its containers are ready.
+    /// Since when it waits (its containers became ready, or its consumer left).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<Time>,
+    /// The queues still missing this pod's consumer, over every QueuePolicy in Enforce mode that
+    /// guards it (this policy's queue, another's, or both).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiting_for: Vec<String>,
+}
+
+/// A PodDisruptionBudget over a guarded Deployment's pods.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DisruptionBudgetObservation {
+    /// The Deployment whose pods it covers.
+    pub deployment: String,
+    /// The budget's name.
+    pub name: String,
+    /// Managed: the operator's (one per Deployment, minAvailable the strictest minAttached of
+    /// the policies guarding it). Foreign: someone else's budget already selects these pods, so
+    /// the operator created none (the eviction API refuses pods covered by two budgets).
+    pub owner: BudgetOwner,
+    /// minAvailable of the operator's budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_available: Option<i32>,
+}
+
+/// Whose a disruption budget is.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum BudgetOwner {
+    #[default]
+    Managed,
+    Foreign,
 }
 
 /// Queue facts from the broker.

@@ -2,8 +2,8 @@
 //! reconcile [`Outcome`] and the previous status to the next one.
 
 use crate::crd::{
-    Binding, ConsumersObservation, DeadLetterObservation, Finding, PrefetchObservation, QueueObservation,
-    QueuePolicyStatus, RolloutObservation,
+    Binding, ConsumersObservation, DeadLetterObservation, DisruptionBudgetObservation, Finding, PrefetchObservation,
+    QueueObservation, QueuePolicyStatus, RolloutObservation,
 };
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
@@ -180,6 +180,7 @@ pub struct GateReport {
     pub rollout_safe: Check,
     pub consumers: ConsumersObservation,
     pub rollout: RolloutObservation,
+    pub budgets: Vec<DisruptionBudgetObservation>,
 }
 
 impl Outcome {
@@ -264,6 +265,7 @@ pub fn next_status(
         applied_bindings: outcome.applied_bindings.clone().unwrap_or(old.applied_bindings),
         consumers: outcome.gate.as_ref().map(|g| g.consumers.clone()),
         rollout: outcome.gate.as_ref().map(|g| g.rollout.clone()),
+        disruption_budgets: outcome.gate.as_ref().map(|g| g.budgets.clone()).unwrap_or_default(),
         prefetch: match &outcome.findings {
             Some(report) => report
                 .prefetch

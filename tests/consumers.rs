@@ -47,7 +47,7 @@ async fn next_change_on(
     let deadline = tokio::time::Instant::now() + within;
     loop {
         let change = tokio::time::timeout_at(deadline, rx.recv()).await.ok()?.ok()?;
-        if change.queue() == queue {
+        if change.queue() == Some(queue) {
             return Some(change);
         }
     }
@@ -56,11 +56,11 @@ async fn next_change_on(
 #[tokio::test]
 async fn events_report_attach_and_detach_with_peer_connection_prefetch_and_ack_mode() {
     let t = tracker(&broker_uri());
-    assert!(t.wait_synced(Duration::from_secs(10)).await);
+    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
     assert!(
-        eventually(Duration::from_secs(5), || async { t.tracking() == Tracking::Events }).await,
+        eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await,
         "{:?}",
-        t.tracking()
+        t.tracking("/")
     );
     let name = unique("tracked");
     declare(&name).await;
@@ -123,7 +123,7 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
     });
     assert!(listed.await);
     let t = tracker(&broker_uri());
-    assert!(t.wait_synced(Duration::from_secs(10)).await);
+    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
     let found = t.consumers_on(&key);
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].tag, "early");
@@ -134,8 +134,8 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
 #[tokio::test]
 async fn a_watched_queue_deleted_behind_our_back_is_noticed() {
     let t = tracker(&broker_uri());
-    assert!(t.wait_synced(Duration::from_secs(10)).await);
-    assert!(eventually(Duration::from_secs(5), || async { t.tracking() == Tracking::Events }).await);
+    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
+    assert!(eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await);
     let name = unique("deleted");
     declare(&name).await;
     let key = QueueKey::new("/", &name);
@@ -174,9 +174,9 @@ async fn without_events_the_tracker_polls_and_says_so() {
     let pool = BrokerPool::new(unique("tracker"));
     let t = pool.tracker(&BrokerUri::parse(&url, Some(&mgmt)).unwrap(), None).unwrap();
     let polling = eventually(Duration::from_secs(10), || async {
-        matches!(t.tracking(), Tracking::Polling(why) if why.contains("may not read amq.rabbitmq.event"))
+        matches!(t.tracking("/"), Tracking::Polling(why) if why.contains("may not read amq.rabbitmq.event"))
     });
-    assert!(polling.await, "{:?}", t.tracking());
+    assert!(polling.await, "{:?}", t.tracking("/"));
 
     let name = unique("polled");
     declare(&name).await;

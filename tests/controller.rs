@@ -312,10 +312,12 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     // The tracker runs before the first pass, as it would after the operator's first reconcile.
     let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
     let tracker = ctx.brokers.tracker(&uri, None).unwrap();
-    assert!(tracker.wait_synced(Duration::from_secs(10)).await);
+    assert!(tracker.wait_synced("/", Duration::from_secs(10)).await);
     assert!(
-        eventually(Duration::from_secs(5), || async { tracker.tracking() == queueguard::consumers::Tracking::Events })
-            .await
+        eventually(Duration::from_secs(5), || async {
+            tracker.tracking("/") == queueguard::consumers::Tracking::Events
+        })
+        .await
     );
     let plan = plan_of(&p);
     let pool = queueguard::broker::BrokerPool::new(unique("conn"));
@@ -475,8 +477,10 @@ async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warn
     let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
     let tracker = ctx.brokers.tracker(&uri, None).unwrap();
     assert!(
-        eventually(Duration::from_secs(10), || async { tracker.tracking() == queueguard::consumers::Tracking::Events })
-            .await
+        eventually(Duration::from_secs(10), || async {
+            tracker.tracking("/") == queueguard::consumers::Tracking::Events
+        })
+        .await
     );
 
     delete_queues(&[&name]).await;

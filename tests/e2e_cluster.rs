@@ -179,7 +179,7 @@ async fn rolling_restarts_on_a_real_cluster_keep_the_queue_and_every_message() {
     let uri = BrokerUri::parse(&env.broker, env.management.as_deref()).unwrap();
     let pool = BrokerPool::new("queueguard-e2e-observer");
     let tracker = pool.tracker(&uri, None).unwrap();
-    assert!(tracker.wait_synced(Duration::from_secs(30)).await);
+    assert!(tracker.wait_synced("/", Duration::from_secs(30)).await);
     let key = QueueKey::new(uri.vhost(), queue);
     let mut changes = tracker.subscribe();
 

@@ -94,6 +94,18 @@ pub struct ConnectionInfo {
     pub client_properties: Map<String, Value>,
 }
 
+/// A connection in a vhost's listing.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct ConnectionSummary {
+    /// `peer:port -> host:port`
+    pub name: String,
+    #[serde(default)]
+    pub user_provided_name: Option<String>,
+    /// Unix milliseconds, broker clock.
+    #[serde(default)]
+    pub connected_at: Option<i64>,
+}
+
 /// A consumer as the management API reports it.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 pub struct ConsumerInfo {
@@ -247,22 +259,18 @@ impl ManagementClient {
         Ok(self.get_opt(&["connections"]).await?.unwrap_or_default())
     }
 
-    /// Every consumer the management user can see, on every vhost.
-    pub async fn consumers(&self) -> Result<Vec<ConsumerInfo>, ManagementError> {
-        let rows: Vec<Value> = self.get_opt(&["consumers"]).await?.unwrap_or_default();
-        live_consumers(rows).map_err(|e| unexpected_answer(&["consumers"], &e))
+    /// The consumers of one vhost.
+    pub async fn consumers_in(&self, vhost: &str) -> Result<Vec<ConsumerInfo>, ManagementError> {
+        let rows: Vec<Value> = self.get_opt(&["consumers", vhost]).await?.unwrap_or_default();
+        live_consumers(rows).map_err(|e| unexpected_answer(&["consumers", vhost], &e))
     }
 
-    /// User-provided connection names by connection name (`peer:port -> host:port`).
-    pub async fn connection_names(&self) -> Result<HashMap<String, String>, ManagementError> {
-        let rows: Vec<Value> =
-            self.get_query(&["connections"], "columns=name,user_provided_name").await?.unwrap_or_default();
-        Ok(rows
-            .iter()
-            .filter_map(|r| {
-                Some((r.get("name")?.as_str()?.to_owned(), r.get("user_provided_name")?.as_str()?.to_owned()))
-            })
-            .collect())
+    /// The client connections of one vhost: name, the client's own name and when it connected.
+    pub async fn connections_in(&self, vhost: &str) -> Result<Vec<ConnectionSummary>, ManagementError> {
+        Ok(self
+            .get_query(&["vhosts", vhost, "connections"], "columns=name,user_provided_name,connected_at")
+            .await?
+            .unwrap_or_default())
     }
 
     /// Every queue of a vhost with its ready messages, consumers and effective policy.

@@ -5,12 +5,12 @@
 //!
 //! ```text
 //! files ──read::read──▶ Manifests ──rules::check──▶ Vec<Finding> ──output::{text, json}──▶ stdout
-//!                        (typed objects)   (pure, reuses plan, gate::strategy, triggers::guards)
+//!                        (typed objects)   (pure, reuses plan, gate::strategy, gate::guards)
 //! ```
 //!
 //! The rules judge exactly as the operator would: policies through [`crate::plan::plan`], patterns
 //! through [`crate::pattern::plan`], strategies through [`crate::gate::strategy::judge`], which
-//! Deployments a policy guards through [`crate::controller::triggers::guards`].
+//! Deployments a policy guards through [`crate::gate::guards::guards`].
 
 pub mod output;
 pub mod read;

@@ -1,16 +1,14 @@
 //! The rules of `queueguard check`: pure functions from the objects read to findings. Each judges
 //! the way the operator would at run time, through the crate's own code: [`plan::plan`] for a
 //! policy, [`pattern::plan`] for a pattern, [`strategy::judge`] for a strategy,
-//! [`triggers::guards`] for which Deployments a policy guards.
+//! [`guards::guards`] for which Deployments a policy guards.
 
 use super::{DeploymentDoc, Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity};
 use crate::{
-    controller::triggers,
     crd::{API_VERSION, GateMode, QueuePolicy},
     duration::Human,
     gate::{
-        GatePlan,
-        pods::GATE_CONDITION,
+        GATE_CONDITION, GatePlan, guards,
         strategy::{self, Verdict},
     },
     pattern::{self, PatternPlan},
@@ -244,7 +242,7 @@ impl<'a> Facts<'a> {
 }
 
 fn guards(p: &Planned, d: &DeploymentDoc) -> bool {
-    p.gate().is_some() && triggers::guards(p.policy, &d.id.name, d.deployment.labels())
+    p.gate().is_some() && guards::guards(p.policy, &d.id.name, d.deployment.labels())
 }
 
 fn finding(rule: Rule, severity: Severity, object: &ObjectId, message: String) -> Finding {

@@ -15,8 +15,9 @@ pub fn parse(routing_key: &str, headers: &FieldTable) -> Option<BrokerEvent> {
             pid: h.string("pid")?,
             name: h.string("name")?,
             user_provided_name: h.string("user_provided_name"),
+            connected_ms: h.int("connected_at"),
         },
-        "connection.closed" => BrokerEvent::ConnectionClosed { pid: h.string("pid")? },
+        "connection.closed" => BrokerEvent::ConnectionClosed { pid: h.string("pid")?, name: h.string("name") },
         "channel.created" => BrokerEvent::ChannelCreated { pid: h.string("pid")?, name: h.string("name")? },
         "channel.closed" => BrokerEvent::ChannelClosed { pid: h.string("pid")? },
         "consumer.created" => BrokerEvent::ConsumerCreated {
@@ -122,13 +123,15 @@ mod tests {
             ("pid", s("<k>")),
             ("name", s("10.0.0.5:4000 -> 10.0.0.9:5672")),
             ("user_provided_name", s("worker-1")),
+            ("connected_at", AMQPValue::LongLongInt(1_796_400_161_952)),
         ]);
         assert_eq!(
             parse("connection.created", &conn),
             Some(BrokerEvent::ConnectionCreated {
                 pid: "<k>".into(),
                 name: "10.0.0.5:4000 -> 10.0.0.9:5672".into(),
-                user_provided_name: Some("worker-1".into())
+                user_provided_name: Some("worker-1".into()),
+                connected_ms: Some(1_796_400_161_952),
             })
         );
         let unnamed = table(&[("pid", s("<k>")), ("name", s("n"))]);
@@ -144,6 +147,10 @@ mod tests {
         assert_eq!(
             parse("channel.created", &chan),
             Some(BrokerEvent::ChannelCreated { pid: "<c>".into(), name: "10.0.0.5:4000 -> 10.0.0.9:5672 (1)".into() })
+        );
+        assert_eq!(
+            parse("connection.closed", &table(&[("pid", s("<k>")), ("name", s("n")), ("node", s("rabbit@a"))])),
+            Some(BrokerEvent::ConnectionClosed { pid: "<k>".into(), name: Some("n".into()) })
         );
         assert_eq!(
             parse("channel.closed", &table(&[("pid", s("<c>"))])),

@@ -53,14 +53,15 @@ pub fn table(consumers: &[Consumer]) -> String {
         .collect()
 }
 
-/// One JSON line for `--watch`.
-pub fn watch_line(change: &Change, at_ms: i64) -> String {
+/// One JSON line for `--watch`; None for changes that concern no queue.
+pub fn watch_line(change: &Change, at_ms: i64) -> Option<String> {
     let (event, detail) = match change {
         Change::Attached { consumer } => ("attached", to_json(consumer)),
         Change::Detached { consumer } => ("detached", to_json(consumer)),
         Change::QueueDeleted { queue } => ("queue_deleted", json!({"queue": queue.name, "vhost": queue.vhost})),
+        Change::Tracking { .. } => return None,
     };
-    json!({"time": rfc3339(at_ms), "event": event, "consumer": detail}).to_string()
+    Some(json!({"time": rfc3339(at_ms), "event": event, "consumer": detail}).to_string())
 }
 
 #[cfg(test)]
@@ -78,6 +79,7 @@ mod tests {
             prefetch: 10,
             ack_required: ack,
             since_ms: 1_764_700_000_000,
+            connected_ms: None,
         }
     }
 
@@ -92,7 +94,8 @@ mod tests {
 
     #[test]
     fn watch_lines_are_json_with_time_and_event() {
-        let line = watch_line(&Change::Detached { consumer: consumer("t", true) }, 1_764_700_000_500);
+        let line = watch_line(&Change::Detached { consumer: consumer("t", true) }, 1_764_700_000_500).unwrap();
+        assert_eq!(watch_line(&Change::Tracking { vhost: None }, 0), None);
         let v: Value = serde_json::from_str(&line).unwrap();
         assert_eq!(v["event"], "detached");
         assert_eq!(v["time"], "2025-12-02T18:26:40.5Z");

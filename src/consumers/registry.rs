@@ -1,15 +1,27 @@
 //! Who consumes which queue, kept up to date from broker events and corrected by periodic
-//! snapshots of the management API. Pure: events and snapshots go in, changes come out.
+//! snapshots of the management API, one vhost at a time. Pure: events and snapshots go in,
+//! changes come out.
 //!
 //! Consumers are keyed by channel name and consumer tag, the one identity both sources share:
 //! events name channels by pid (mapped through `channel.created`), the management API by name.
-//! The management API lags by its statistics interval, so a snapshot neither removes a consumer
-//! an event announced moments ago nor revives one an event just removed.
+//! The management API lags by its statistics interval for new items (it drops removed ones at
+//! once), so a snapshot neither removes a consumer an event announced moments ago nor revives
+//! one an event just removed.
+//!
+//! Channels opened before the subscription have no known pid. A `consumer.deleted` on such a
+//! channel removes the one known consumer with that queue and tag on a channel without a known
+//! pid (and learns the pid); where two match, the vhost is snapshotted instead of guessing. A
+//! `consumer.created` on one waits, unplaced, until a snapshot lists it (the tracker asks for
+//! snapshots until then), and counts from its event's attach time. Events may come twice and in
+//! any order (`consumer.deleted` after `channel.closed` or `connection.closed`, or twice when a
+//! cluster node stops): every one is idempotent.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// Snapshot lag tolerated before a snapshot may contradict an event.
 pub const EVENT_GRACE_MS: i64 = 15_000;
+/// How long a consumer created on an unknown channel waits for a snapshot to place it.
+pub const PLACE_WITHIN_MS: i64 = 20_000;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct QueueKey {
@@ -20,6 +32,12 @@ pub struct QueueKey {
 impl QueueKey {
     pub fn new(vhost: impl Into<String>, name: impl Into<String>) -> Self {
         Self { vhost: vhost.into(), name: name.into() }
+    }
+}
+
+impl std::fmt::Display for QueueKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.vhost == "/" { write!(f, "{}", self.name) } else { write!(f, "{}/{}", self.vhost, self.name) }
     }
 }
 
@@ -38,22 +56,45 @@ pub struct Consumer {
     pub ack_required: bool,
     /// Unix milliseconds when the consumer attached (or was first seen, for snapshots).
     pub since_ms: i64,
+    /// When its connection was opened, where known (broker clock): a consumer on a connection
+    /// older than a pod's IP cannot be that pod's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connected_ms: Option<i64>,
+}
+
+impl Consumer {
+    /// The earliest the client behind this consumer can have connected.
+    pub fn connected_by_ms(&self) -> i64 {
+        self.connected_ms.map_or(self.since_ms, |c| c.min(self.since_ms))
+    }
 }
 
 /// A change worth telling the gate about.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Change {
-    Attached { consumer: Consumer },
-    Detached { consumer: Consumer },
-    QueueDeleted { queue: QueueKey },
+    Attached {
+        consumer: Consumer,
+    },
+    Detached {
+        consumer: Consumer,
+    },
+    QueueDeleted {
+        queue: QueueKey,
+    },
+    /// How consumers are seen changed, for one vhost or (None) for all of them.
+    Tracking {
+        vhost: Option<String>,
+    },
 }
 
 impl Change {
-    pub fn queue(&self) -> &QueueKey {
+    /// The queue the change is about; None for tracking changes.
+    pub fn queue(&self) -> Option<&QueueKey> {
         match self {
-            Self::Attached { consumer } | Self::Detached { consumer } => &consumer.queue,
-            Self::QueueDeleted { queue } => queue,
+            Self::Attached { consumer } | Self::Detached { consumer } => Some(&consumer.queue),
+            Self::QueueDeleted { queue } => Some(queue),
+            Self::Tracking { .. } => None,
         }
     }
 }
@@ -61,8 +102,8 @@ impl Change {
 /// What the event exchange says, already parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BrokerEvent {
-    ConnectionCreated { pid: String, name: String, user_provided_name: Option<String> },
-    ConnectionClosed { pid: String },
+    ConnectionCreated { pid: String, name: String, user_provided_name: Option<String>, connected_ms: Option<i64> },
+    ConnectionClosed { pid: String, name: Option<String> },
     ChannelCreated { pid: String, name: String },
     ChannelClosed { pid: String },
     ConsumerCreated { channel_pid: String, queue: QueueKey, tag: String, prefetch: u32, ack_required: bool, at_ms: i64 },
@@ -70,54 +111,109 @@ pub enum BrokerEvent {
     QueueDeleted { queue: QueueKey },
 }
 
+/// What a snapshot knows of a connection.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ConnectionFacts {
+    pub user_provided_name: Option<String>,
+    pub connected_ms: Option<i64>,
+}
+
+/// One vhost's consumers and connections as the management API listed them.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub vhost: String,
+    pub consumers: Vec<Consumer>,
+    /// By connection name (`peer:port -> host:port`).
+    pub connections: HashMap<String, ConnectionFacts>,
+}
+
+type Key = (String, String);
+
+/// A `consumer.created` on a channel whose pid is not known yet.
+#[derive(Debug, Clone)]
+struct Unplaced {
+    channel_pid: String,
+    queue: QueueKey,
+    tag: String,
+    at_ms: i64,
+    until_ms: i64,
+}
+
 #[derive(Debug, Default)]
 pub struct Registry {
-    /// Connection name (`peer:port -> host:port`) by pid, and user-provided names by connection name.
+    /// Connection name by pid; facts by connection name.
     connections: HashMap<String, String>,
-    user_names: HashMap<String, String>,
+    connection_facts: HashMap<String, ConnectionFacts>,
+    /// Channel name by pid, and the reverse.
     channels: HashMap<String, String>,
-    consumers: BTreeMap<(String, String), Consumer>,
-    /// An event named a channel opened before the subscription: only a snapshot can place it.
-    stale: bool,
+    channel_pids: HashMap<String, String>,
+    consumers: BTreeMap<Key, Consumer>,
+    by_queue: HashMap<QueueKey, BTreeSet<Key>>,
     /// Consumers an event removed, and when: a lagging snapshot must not bring them back.
-    removed: HashMap<(String, String), i64>,
+    removed: HashMap<Key, i64>,
+    /// Queue and tag of consumers removed while unplaced or on a channel without a known pid.
+    removed_unplaced: HashMap<(QueueKey, String), i64>,
     /// When each consumer was first seen through an event (snapshots may not yet list it).
-    event_seen: HashMap<(String, String), i64>,
+    event_seen: HashMap<Key, i64>,
+    unplaced: Vec<Unplaced>,
+    /// Vhosts only a snapshot can settle (an unplaced consumer, an ambiguous deletion).
+    resync_wanted: BTreeSet<String>,
 }
 
 impl Registry {
     pub fn apply(&mut self, event: BrokerEvent, now_ms: i64) -> Vec<Change> {
         match event {
-            BrokerEvent::ConnectionCreated { pid, name, user_provided_name } => {
-                if let Some(user) = user_provided_name {
-                    self.user_names.insert(name.clone(), user);
-                }
+            BrokerEvent::ConnectionCreated { pid, name, user_provided_name, connected_ms } => {
+                self.connection_facts.insert(name.clone(), ConnectionFacts { user_provided_name, connected_ms });
                 self.connections.insert(pid, name);
                 vec![]
             }
-            BrokerEvent::ConnectionClosed { pid } => {
-                if let Some(name) = self.connections.remove(&pid) {
-                    self.user_names.remove(&name);
+            BrokerEvent::ConnectionClosed { pid, name } => {
+                let Some(name) = self.connections.remove(&pid).or(name) else { return vec![] };
+                self.connection_facts.remove(&name);
+                let channels: Vec<String> =
+                    self.channel_pids.keys().filter(|c| connection_of(c) == name).cloned().collect();
+                for channel in &channels {
+                    if let Some(pid) = self.channel_pids.remove(channel) {
+                        self.channels.remove(&pid);
+                    }
                 }
-                vec![]
+                let keys: Vec<Key> =
+                    self.consumers.keys().filter(|(channel, _)| connection_of(channel) == name).cloned().collect();
+                keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
             }
             BrokerEvent::ChannelCreated { pid, name } => {
+                self.channel_pids.insert(name.clone(), pid.clone());
                 self.channels.insert(pid, name);
                 vec![]
             }
             BrokerEvent::ChannelClosed { pid } => {
+                self.unplaced.retain(|u| u.channel_pid != pid);
                 let Some(channel) = self.channels.remove(&pid) else { return vec![] };
+                self.channel_pids.remove(&channel);
                 let keys: Vec<_> = self.consumers.keys().filter(|(c, _)| *c == channel).cloned().collect();
                 keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
             }
             BrokerEvent::ConsumerCreated { channel_pid, queue, tag, prefetch, ack_required, at_ms } => {
                 let Some(channel) = self.channels.get(&channel_pid).cloned() else {
-                    self.stale = true;
+                    let known = |u: &Unplaced| u.channel_pid == channel_pid && u.queue == queue && u.tag == tag;
+                    if !self.unplaced.iter().any(known) {
+                        self.resync_wanted.insert(queue.vhost.clone());
+                        self.unplaced.push(Unplaced {
+                            channel_pid,
+                            queue,
+                            tag,
+                            at_ms,
+                            until_ms: now_ms + PLACE_WITHIN_MS,
+                        });
+                    }
                     return vec![];
                 };
+                let facts = self.connection_facts.get(connection_of(&channel)).cloned().unwrap_or_default();
                 let consumer = Consumer {
                     peer_host: peer_of(&channel),
-                    connection_name: self.user_names.get(connection_of(&channel)).cloned(),
+                    connection_name: facts.user_provided_name,
+                    connected_ms: facts.connected_ms,
                     queue,
                     tag,
                     channel,
@@ -128,19 +224,43 @@ impl Registry {
                 let key = (consumer.channel.clone(), consumer.tag.clone());
                 self.removed.remove(&key);
                 self.event_seen.insert(key.clone(), now_ms);
-                self.consumers.insert(key, consumer.clone());
-                vec![Change::Attached { consumer }]
+                let known = self.consumers.get(&key).is_some_and(|c| c.queue == consumer.queue);
+                self.insert(key, consumer.clone());
+                // The same event twice changes nothing.
+                if known { vec![] } else { vec![Change::Attached { consumer }] }
             }
-            BrokerEvent::ConsumerDeleted { channel_pid, tag, .. } => {
-                let Some(channel) = self.channels.get(&channel_pid).cloned() else {
-                    self.stale = true;
-                    return vec![];
-                };
-                self.remove((channel, tag), now_ms).into_iter().collect()
+            BrokerEvent::ConsumerDeleted { channel_pid, queue, tag } => {
+                if let Some(channel) = self.channels.get(&channel_pid).cloned() {
+                    return self.remove((channel, tag), now_ms).into_iter().collect();
+                }
+                let before = self.unplaced.len();
+                self.unplaced.retain(|u| !(u.channel_pid == channel_pid && u.queue == queue && u.tag == tag));
+                let was_unplaced = self.unplaced.len() != before;
+                let candidates = self.unbound_with(&queue, &tag);
+                match candidates.as_slice() {
+                    [key] => {
+                        let key = key.clone();
+                        // The pid is now known: later events on this channel take the fast path.
+                        self.channels.insert(channel_pid.clone(), key.0.clone());
+                        self.channel_pids.insert(key.0.clone(), channel_pid);
+                        self.removed_unplaced.insert((queue, tag), now_ms);
+                        self.remove(key, now_ms).into_iter().collect()
+                    }
+                    [] => {
+                        if was_unplaced {
+                            self.removed_unplaced.insert((queue, tag), now_ms);
+                        }
+                        vec![]
+                    }
+                    _ => {
+                        self.resync_wanted.insert(queue.vhost.clone());
+                        vec![]
+                    }
+                }
             }
             BrokerEvent::QueueDeleted { queue } => {
-                let keys: Vec<_> =
-                    self.consumers.iter().filter(|(_, c)| c.queue == queue).map(|(k, _)| k.clone()).collect();
+                self.unplaced.retain(|u| u.queue != queue);
+                let keys: Vec<_> = self.by_queue.get(&queue).into_iter().flatten().cloned().collect();
                 let mut changes: Vec<Change> = keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect();
                 changes.push(Change::QueueDeleted { queue });
                 changes
@@ -148,30 +268,68 @@ impl Registry {
         }
     }
 
-    fn remove(&mut self, key: (String, String), now_ms: i64) -> Option<Change> {
-        self.event_seen.remove(&key);
-        self.removed.insert(key.clone(), now_ms);
-        self.consumers.remove(&key).map(|consumer| Change::Detached { consumer })
+    /// Known consumers with this queue and tag on channels whose pid is not known.
+    fn unbound_with(&self, queue: &QueueKey, tag: &str) -> Vec<Key> {
+        self.by_queue
+            .get(queue)
+            .into_iter()
+            .flatten()
+            .filter(|(channel, t)| t == tag && !self.channel_pids.contains_key(channel))
+            .cloned()
+            .collect()
     }
 
-    /// Replaces the picture with a management API snapshot (every consumer of the broker, and
-    /// user-provided connection names by connection name), within the event grace rules.
-    pub fn resync(&mut self, snapshot: Vec<Consumer>, user_names: HashMap<String, String>, now_ms: i64) -> Vec<Change> {
-        self.user_names.extend(user_names);
+    fn insert(&mut self, key: Key, consumer: Consumer) {
+        if let Some(old) = self.consumers.get(&key)
+            && old.queue != consumer.queue
+            && let Some(keys) = self.by_queue.get_mut(&old.queue)
+        {
+            keys.remove(&key);
+        }
+        self.by_queue.entry(consumer.queue.clone()).or_default().insert(key.clone());
+        self.consumers.insert(key, consumer);
+    }
+
+    fn remove(&mut self, key: Key, now_ms: i64) -> Option<Change> {
+        self.event_seen.remove(&key);
+        self.removed.insert(key.clone(), now_ms);
+        let consumer = self.consumers.remove(&key)?;
+        if let Some(keys) = self.by_queue.get_mut(&consumer.queue) {
+            keys.remove(&key);
+            if keys.is_empty() {
+                self.by_queue.remove(&consumer.queue);
+            }
+        }
+        Some(Change::Detached { consumer })
+    }
+
+    /// Replaces one vhost's picture with a management API snapshot, within the event grace
+    /// rules, and places what waited for it.
+    pub fn resync(&mut self, snapshot: Snapshot, now_ms: i64) -> Vec<Change> {
+        let Snapshot { vhost, consumers, connections } = snapshot;
+        self.connection_facts.extend(connections);
         self.removed.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
+        self.removed_unplaced.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
         self.event_seen.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
-        self.stale = false;
+        let placed = self.place_unplaced(&vhost, &consumers);
+        self.unplaced.retain(|u| u.until_ms > now_ms);
+        if !self.unplaced.iter().any(|u| u.queue.vhost == vhost) {
+            self.resync_wanted.remove(&vhost);
+        }
         let mut changes = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        for mut consumer in snapshot {
+        for mut consumer in consumers.into_iter().filter(|c| c.queue.vhost == vhost) {
             let key = (consumer.channel.clone(), consumer.tag.clone());
             seen.insert(key.clone());
             if self.removed.contains_key(&key) {
                 continue;
             }
+            let unbound = !self.channel_pids.contains_key(&consumer.channel);
+            let facts = self.connection_facts.get(connection_of(&consumer.channel)).cloned().unwrap_or_default();
             if consumer.connection_name.is_none() {
-                consumer.connection_name = self.user_names.get(connection_of(&consumer.channel)).cloned();
+                consumer.connection_name = facts.user_provided_name;
             }
+            consumer.connected_ms = consumer.connected_ms.or(facts.connected_ms);
             match self.consumers.get_mut(&key) {
                 Some(known) => {
                     // Keep the attach time we know; take the rest fresh.
@@ -179,35 +337,78 @@ impl Registry {
                     *known = consumer;
                 }
                 None => {
-                    self.consumers.insert(key, consumer.clone());
+                    // Removed by an event while its channel was unknown: this snapshot may
+                    // predate the removal.
+                    if unbound && self.removed_unplaced.contains_key(&(consumer.queue.clone(), consumer.tag.clone())) {
+                        continue;
+                    }
+                    if let Some(at) = placed.get(&key) {
+                        consumer.since_ms = *at;
+                    }
+                    self.insert(key, consumer.clone());
                     changes.push(Change::Attached { consumer });
                 }
             }
         }
         let gone: Vec<_> = self
             .consumers
-            .keys()
-            .filter(|k| !seen.contains(*k) && !self.event_seen.contains_key(*k))
-            .cloned()
+            .iter()
+            .filter(|(k, c)| c.queue.vhost == vhost && !seen.contains(*k) && !self.event_seen.contains_key(*k))
+            .map(|(k, _)| k.clone())
             .collect();
         for key in gone {
-            if let Some(consumer) = self.consumers.remove(&key) {
+            if let Some(consumer) = self.consumers.get(&key).cloned() {
+                self.remove(key, now_ms);
+                // A vanished consumer is not an event's removal: a later snapshot may list it.
+                self.removed.remove(&(consumer.channel.clone(), consumer.tag.clone()));
                 changes.push(Change::Detached { consumer });
             }
         }
         changes
     }
 
-    /// True when events arrived that only a snapshot can place; cleared by the next snapshot.
-    pub fn is_stale(&self) -> bool {
-        self.stale
+    /// Binds the pid of each unplaced consumer that this snapshot lists unambiguously (exactly
+    /// one new consumer with its queue and tag on a channel without a known pid); returns their
+    /// attach times from the events.
+    fn place_unplaced(&mut self, vhost: &str, consumers: &[Consumer]) -> HashMap<Key, i64> {
+        let mut placed = Vec::new();
+        for (i, u) in self.unplaced.iter().enumerate().filter(|(_, u)| u.queue.vhost == vhost) {
+            let candidates: Vec<&Consumer> = consumers
+                .iter()
+                .filter(|c| c.queue == u.queue && c.tag == u.tag)
+                .filter(|c| !self.channel_pids.contains_key(&c.channel))
+                .filter(|c| !self.consumers.contains_key(&(c.channel.clone(), c.tag.clone())))
+                .collect();
+            match candidates.as_slice() {
+                [one] => placed.push((i, one.channel.clone())),
+                [] => {}
+                // Several new consumers with this tag: each stays unbound, counted from the snapshot.
+                _ => placed.push((i, String::new())),
+            }
+        }
+        let mut attached = HashMap::new();
+        for (i, channel) in placed.into_iter().rev() {
+            let u = self.unplaced.remove(i);
+            if !channel.is_empty() {
+                self.channels.insert(u.channel_pid.clone(), channel.clone());
+                self.channel_pids.insert(channel.clone(), u.channel_pid);
+                attached.insert((channel, u.tag), u.at_ms);
+            }
+        }
+        attached
     }
 
     /// Consumers of one queue, oldest first.
     pub fn consumers_on(&self, queue: &QueueKey) -> Vec<Consumer> {
-        let mut list: Vec<Consumer> = self.consumers.values().filter(|c| &c.queue == queue).cloned().collect();
+        let mut list: Vec<Consumer> =
+            self.by_queue.get(queue).into_iter().flatten().filter_map(|k| self.consumers.get(k)).cloned().collect();
         list.sort_by(|a, b| a.since_ms.cmp(&b.since_ms).then_with(|| a.tag.cmp(&b.tag)));
         list
+    }
+
+    /// Vhosts waiting for a snapshot (unplaced consumers, ambiguous deletions).
+    pub fn resync_wanted(&self) -> &BTreeSet<String> {
+        &self.resync_wanted
     }
 }
 
@@ -231,15 +432,17 @@ pub fn connection_of(channel: &str) -> &str {
 mod tests {
     use super::*;
 
+    const CONN: &str = "10.1.2.3:40000 -> 10.9.9.9:5672";
     const CH: &str = "10.1.2.3:40000 -> 10.9.9.9:5672 (1)";
+    const OLD_CH: &str = "10.1.2.7:41000 -> 10.9.9.9:5672 (1)";
 
     fn q() -> QueueKey {
         QueueKey::new("/", "orders")
     }
 
-    fn created(tag: &str, at: i64) -> BrokerEvent {
+    fn created_on(pid: &str, tag: &str, at: i64) -> BrokerEvent {
         BrokerEvent::ConsumerCreated {
-            channel_pid: "<c1>".into(),
+            channel_pid: pid.into(),
             queue: q(),
             tag: tag.into(),
             prefetch: 10,
@@ -248,13 +451,22 @@ mod tests {
         }
     }
 
+    fn created(tag: &str, at: i64) -> BrokerEvent {
+        created_on("<c1>", tag, at)
+    }
+
+    fn deleted_on(pid: &str, tag: &str) -> BrokerEvent {
+        BrokerEvent::ConsumerDeleted { channel_pid: pid.into(), queue: q(), tag: tag.into() }
+    }
+
     fn with_channel() -> Registry {
         let mut r = Registry::default();
         r.apply(
             BrokerEvent::ConnectionCreated {
                 pid: "<k1>".into(),
-                name: "10.1.2.3:40000 -> 10.9.9.9:5672".into(),
+                name: CONN.into(),
                 user_provided_name: Some("worker-abc".into()),
+                connected_ms: Some(900),
             },
             0,
         );
@@ -262,43 +474,71 @@ mod tests {
         r
     }
 
-    fn snapshot_consumer(tag: &str, since: i64) -> Consumer {
+    fn listed(channel: &str, tag: &str, since: i64) -> Consumer {
         Consumer {
             queue: q(),
             tag: tag.into(),
-            channel: CH.into(),
-            peer_host: Some("10.1.2.3".into()),
+            channel: channel.into(),
+            peer_host: peer_of(channel),
             connection_name: None,
             prefetch: 10,
             ack_required: true,
             since_ms: since,
+            connected_ms: None,
         }
     }
 
+    fn snapshot(consumers: Vec<Consumer>) -> Snapshot {
+        Snapshot { vhost: "/".into(), consumers, connections: HashMap::new() }
+    }
+
+    fn tags(r: &Registry) -> Vec<String> {
+        r.consumers_on(&q()).into_iter().map(|c| c.tag).collect()
+    }
+
     #[test]
-    fn events_map_consumers_to_peer_and_connection_name() {
+    fn events_map_consumers_to_peer_connection_name_and_connection_time() {
         let mut r = with_channel();
         let changes = r.apply(created("t1", 1_000), 1_000);
         let [Change::Attached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
         assert_eq!(consumer.peer_host.as_deref(), Some("10.1.2.3"));
         assert_eq!(consumer.connection_name.as_deref(), Some("worker-abc"));
-        assert_eq!(consumer.since_ms, 1_000);
-        assert_eq!(r.consumers_on(&q()).len(), 1);
+        assert_eq!((consumer.since_ms, consumer.connected_ms), (1_000, Some(900)));
+        assert_eq!(consumer.connected_by_ms(), 900);
         assert!(r.consumers_on(&QueueKey::new("/", "other")).is_empty());
-        let changes =
-            r.apply(BrokerEvent::ConsumerDeleted { channel_pid: "<c1>".into(), queue: q(), tag: "t1".into() }, 2_000);
-        assert!(matches!(changes.as_slice(), [Change::Detached { .. }]));
-        assert!(r.consumers_on(&q()).is_empty());
+        assert!(matches!(r.apply(deleted_on("<c1>", "t1"), 2_000).as_slice(), [Change::Detached { .. }]));
+        assert!(tags(&r).is_empty());
     }
 
     #[test]
-    fn a_closed_channel_detaches_its_consumers() {
+    fn the_same_event_twice_changes_nothing_the_second_time() {
+        let mut r = with_channel();
+        assert_eq!(r.apply(created("t1", 1), 1).len(), 1);
+        assert!(r.apply(created("t1", 1), 2).is_empty(), "a duplicate consumer.created");
+        assert_eq!(r.apply(deleted_on("<c1>", "t1"), 3).len(), 1);
+        assert!(r.apply(deleted_on("<c1>", "t1"), 4).is_empty(), "a duplicate consumer.deleted");
+        assert!(r.resync_wanted().is_empty());
+    }
+
+    #[test]
+    fn a_closed_channel_or_connection_detaches_its_consumers_before_their_deleted_events() {
         let mut r = with_channel();
         r.apply(created("t1", 1), 1);
         r.apply(created("t2", 1), 1);
-        let changes = r.apply(BrokerEvent::ChannelClosed { pid: "<c1>".into() }, 5);
-        assert_eq!(changes.len(), 2);
-        assert!(r.consumers_on(&q()).is_empty());
+        assert_eq!(r.apply(BrokerEvent::ChannelClosed { pid: "<c1>".into() }, 5).len(), 2);
+        assert!(tags(&r).is_empty());
+        // The consumer.deleted events arrive after channel.closed: nothing left to do, no guess.
+        assert!(r.apply(deleted_on("<c1>", "t1"), 6).is_empty());
+        assert!(r.resync_wanted().is_empty());
+
+        let mut r = with_channel();
+        r.apply(created("t1", 1), 1);
+        let closed = BrokerEvent::ConnectionClosed { pid: "<k1>".into(), name: Some(CONN.into()) };
+        assert_eq!(r.apply(closed.clone(), 5).len(), 1, "connection.closed before channel.closed");
+        assert!(r.apply(BrokerEvent::ChannelClosed { pid: "<c1>".into() }, 6).is_empty());
+        assert!(r.apply(deleted_on("<c1>", "t1"), 7).is_empty());
+        assert!(r.apply(closed, 8).is_empty());
+        assert!(tags(&r).is_empty() && r.resync_wanted().is_empty());
     }
 
     #[test]
@@ -310,56 +550,117 @@ mod tests {
     }
 
     #[test]
-    fn snapshots_add_missed_consumers_and_remove_vanished_ones() {
+    fn snapshots_add_missed_consumers_and_remove_vanished_ones_of_their_vhost_only() {
         let mut r = Registry::default();
-        let changes = r.resync(
-            vec![snapshot_consumer("t1", 100)],
-            HashMap::from([("10.1.2.3:40000 -> 10.9.9.9:5672".into(), "worker-abc".into())]),
-            100,
+        let mut first = snapshot(vec![listed(CH, "t1", 100)]);
+        first.connections.insert(
+            CONN.into(),
+            ConnectionFacts { user_provided_name: Some("worker-abc".into()), connected_ms: Some(40) },
         );
-        let [Change::Attached { consumer }] = changes.as_slice() else { panic!() };
+        let other = QueueKey::new("other-vhost", "orders");
+        let mut elsewhere = listed(OLD_CH, "t9", 100);
+        elsewhere.queue = other.clone();
+        r.resync(Snapshot { vhost: "other-vhost".into(), consumers: vec![elsewhere], ..Default::default() }, 100);
+        let changes = r.resync(first, 100);
+        let [Change::Attached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
         assert_eq!(consumer.connection_name.as_deref(), Some("worker-abc"), "named through the connection list");
-        let changes = r.resync(vec![], HashMap::new(), 200);
+        assert_eq!(consumer.connected_ms, Some(40));
+        let changes = r.resync(snapshot(vec![]), 200);
         assert!(matches!(changes.as_slice(), [Change::Detached { .. }]));
+        assert_eq!(r.consumers_on(&other).len(), 1, "another vhost's snapshot is not this one's");
     }
 
     #[test]
     fn a_lagging_snapshot_neither_drops_a_fresh_consumer_nor_revives_a_removed_one() {
         let mut r = with_channel();
         r.apply(created("fresh", 10_000), 10_000);
-        assert!(r.resync(vec![], HashMap::new(), 11_000).is_empty(), "seen by event 1 s ago, not yet in the snapshot");
-        assert_eq!(r.consumers_on(&q()).len(), 1);
-        r.apply(BrokerEvent::ConsumerDeleted { channel_pid: "<c1>".into(), queue: q(), tag: "fresh".into() }, 12_000);
-        assert!(
-            r.resync(vec![snapshot_consumer("fresh", 10_000)], HashMap::new(), 13_000).is_empty(),
-            "removed by event 1 s ago"
-        );
-        assert!(r.consumers_on(&q()).is_empty());
+        assert!(r.resync(snapshot(vec![]), 11_000).is_empty(), "seen by event 1 s ago, not yet in the snapshot");
+        assert_eq!(tags(&r), ["fresh"]);
+        r.apply(deleted_on("<c1>", "fresh"), 12_000);
+        assert!(r.resync(snapshot(vec![listed(CH, "fresh", 10_000)]), 13_000).is_empty(), "removed by event 1 s ago");
+        assert!(tags(&r).is_empty());
         // Past the grace period the snapshot is the truth again.
-        assert_eq!(
-            r.resync(vec![snapshot_consumer("fresh", 10_000)], HashMap::new(), 12_000 + EVENT_GRACE_MS).len(),
-            1
-        );
-        let later = 12_000 + 3 * EVENT_GRACE_MS;
-        assert_eq!(r.resync(vec![], HashMap::new(), later).len(), 1);
+        assert_eq!(r.resync(snapshot(vec![listed(CH, "fresh", 10_000)]), 12_000 + EVENT_GRACE_MS).len(), 1);
+        assert_eq!(r.resync(snapshot(vec![]), 12_000 + 3 * EVENT_GRACE_MS).len(), 1);
     }
 
     #[test]
     fn snapshots_keep_the_known_attach_time() {
         let mut r = with_channel();
         r.apply(created("t1", 5_000), 5_000);
-        r.resync(vec![snapshot_consumer("t1", 9_999)], HashMap::new(), 30_000);
+        r.resync(snapshot(vec![listed(CH, "t1", 9_999)]), 30_000);
         assert_eq!(r.consumers_on(&q())[0].since_ms, 5_000);
     }
 
+    /// A channel opened before the subscription: its consumer is placed by the next snapshot
+    /// that lists it, counted from the event, and its pid is learned for the events after.
     #[test]
-    fn events_on_channels_opened_before_the_subscription_wait_for_the_snapshot() {
+    fn a_consumer_created_on_an_unknown_channel_waits_for_a_snapshot_then_takes_the_fast_path() {
         let mut r = Registry::default();
-        assert!(r.apply(created("t1", 1), 1).is_empty());
-        assert!(r.consumers_on(&q()).is_empty());
-        assert!(r.is_stale());
-        assert_eq!(r.resync(vec![snapshot_consumer("t1", 50)], HashMap::new(), 50).len(), 1);
-        assert!(!r.is_stale());
+        assert!(r.apply(created_on("<old>", "t1", 1_000), 1_000).is_empty(), "not attached until placed");
+        assert!(r.apply(created_on("<old>", "t1", 1_000), 1_001).is_empty(), "twice: still one wait");
+        assert_eq!(r.resync_wanted().iter().collect::<Vec<_>>(), ["/"]);
+        assert!(r.resync(snapshot(vec![]), 2_000).is_empty(), "the statistics lag: not listed yet");
+        assert!(!r.resync_wanted().is_empty(), "keeps asking");
+        let changes = r.resync(snapshot(vec![listed(OLD_CH, "t1", 4_000)]), 4_000);
+        let [Change::Attached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
+        assert_eq!(consumer.since_ms, 1_000, "attached when the event said, not when listed");
+        assert!(r.resync_wanted().is_empty());
+        assert!(matches!(r.apply(deleted_on("<old>", "t1"), 5_000).as_slice(), [Change::Detached { .. }]));
+        r.apply(created_on("<old>", "t2", 6_000), 6_000);
+        assert_eq!(tags(&r), ["t2"], "the pid is known now: millisecond path");
+        assert_eq!(r.apply(BrokerEvent::ChannelClosed { pid: "<old>".into() }, 7_000).len(), 1);
+    }
+
+    #[test]
+    fn an_unplaced_consumer_is_given_up_after_its_deadline() {
+        let mut r = Registry::default();
+        r.apply(created_on("<old>", "t1", 0), 0);
+        r.resync(snapshot(vec![]), PLACE_WITHIN_MS + 1);
+        assert!(r.resync_wanted().is_empty());
+        // Listed later, it comes in as any snapshot consumer does.
+        assert_eq!(r.resync(snapshot(vec![listed(OLD_CH, "t1", 0)]), PLACE_WITHIN_MS + 2).len(), 1);
+        assert_eq!(r.consumers_on(&q())[0].since_ms, 0);
+    }
+
+    #[test]
+    fn a_consumer_leaving_an_unknown_channel_is_removed_at_once_by_queue_and_tag() {
+        let mut r = with_channel();
+        r.resync(snapshot(vec![listed(OLD_CH, "t1", 100), listed(OLD_CH, "t2", 100)]), 100);
+        r.apply(created("t1", 200), 200); // same tag, on a channel whose pid is known
+        let changes = r.apply(deleted_on("<old>", "t1"), 300);
+        let [Change::Detached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
+        assert_eq!(consumer.channel, OLD_CH, "the one on a channel without a known pid");
+        assert!(r.apply(deleted_on("<old>", "t1"), 301).is_empty(), "twice");
+        assert_eq!(r.apply(BrokerEvent::ChannelClosed { pid: "<old>".into() }, 400).len(), 1, "pid learned: t2 goes");
+        assert_eq!(tags(&r), ["t1"]);
+        assert!(r.resync_wanted().is_empty());
+        assert!(
+            r.resync(snapshot(vec![listed(CH, "t1", 200), listed(OLD_CH, "t1", 100)]), 500).is_empty(),
+            "not revived"
+        );
+    }
+
+    #[test]
+    fn two_matching_consumers_on_unknown_channels_are_settled_by_a_snapshot_not_a_guess() {
+        let mut r = Registry::default();
+        let other = "10.1.2.8:42000 -> 10.9.9.9:5672 (1)";
+        r.resync(snapshot(vec![listed(OLD_CH, "worker", 100), listed(other, "worker", 100)]), 100);
+        assert!(r.apply(deleted_on("<old>", "worker"), 200).is_empty());
+        assert_eq!(r.resync_wanted().iter().collect::<Vec<_>>(), ["/"]);
+        let changes = r.resync(snapshot(vec![listed(other, "worker", 100)]), 300);
+        let [Change::Detached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
+        assert_eq!(consumer.channel, OLD_CH);
+        assert!(r.resync_wanted().is_empty());
+    }
+
+    #[test]
+    fn a_consumer_gone_before_it_was_placed_is_not_revived_by_a_snapshot_that_predates_its_removal() {
+        let mut r = Registry::default();
+        r.apply(created_on("<old>", "t1", 1_000), 1_000);
+        assert!(r.apply(deleted_on("<old>", "t1"), 1_500).is_empty());
+        assert!(r.resync(snapshot(vec![listed(OLD_CH, "t1", 2_000)]), 2_000).is_empty());
+        assert!(tags(&r).is_empty());
     }
 
     #[test]
@@ -368,7 +669,9 @@ mod tests {
         assert_eq!(peer_of("::1:43210 -> ::1:5672 (2)").as_deref(), Some("::1"));
         assert_eq!(peer_of("[fd00::5]:43210 -> [fd00::1]:5672").as_deref(), Some("fd00::5"));
         assert_eq!(peer_of("garbage"), None);
-        assert_eq!(connection_of(CH), "10.1.2.3:40000 -> 10.9.9.9:5672");
+        assert_eq!(connection_of(CH), CONN);
         assert_eq!(connection_of("no channel number"), "no channel number");
+        assert_eq!(QueueKey::new("/", "orders").to_string(), "orders");
+        assert_eq!(QueueKey::new("shop", "orders").to_string(), "shop/orders");
     }
 }

@@ -1,10 +1,14 @@
 //! One live view of a broker's consumers: a subscription to `amq.rabbitmq.event` for attach and
-//! detach within milliseconds, and a periodic management API snapshot for truth (events are lost
-//! across reconnects). Without the event exchange plugin it polls, and says so.
+//! detach within milliseconds, and periodic management API snapshots for truth (events are lost
+//! across reconnects), one vhost at a time. Without the event exchange plugin it polls, and says
+//! so.
+//!
+//! Snapshots are per vhost, each with its own health: a vhost the broker user cannot read, or
+//! one slow read, leaves the other vhosts' tracking live.
 
 use super::{
     events,
-    registry::{Change, Consumer, QueueKey, Registry},
+    registry::{BrokerEvent, Change, ConnectionFacts, Consumer, QueueKey, Registry, Snapshot},
 };
 use crate::broker::{
     Broker,
@@ -18,8 +22,11 @@ use lapin::{
     types::FieldTable,
 };
 use std::{
-    collections::{HashMap, HashSet},
-    sync::{Arc, Mutex, Weak},
+    collections::{BTreeMap, HashMap, HashSet},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 use tokio::sync::{Notify, broadcast, watch};
@@ -29,17 +36,21 @@ pub const EVENT_EXCHANGE: &str = "amq.rabbitmq.event";
 /// Snapshot interval while events flow, and while polling without them.
 pub const RESYNC_WITH_EVENTS: Duration = Duration::from_secs(30);
 pub const RESYNC_POLLING: Duration = Duration::from_secs(2);
+/// While an event waits for a snapshot to place it, the vhost is read again this often: the
+/// management API lists a new consumer after its statistics interval (5 s by default).
+pub const RESYNC_PENDING: Duration = Duration::from_secs(1);
 /// Wait before subscribing again after the plugin was found missing.
 const PLUGIN_RETRY: Duration = Duration::from_secs(60);
 
-/// How the tracker currently learns about consumers; shown in status.
+/// How the tracker currently learns about consumers of a vhost; shown in status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Tracking {
     /// Events flow, and snapshots succeed.
     Events,
     /// No events (the reason says why); snapshots every couple of seconds.
     Polling(String),
-    /// Neither events nor snapshots: the broker cannot be seen.
+    /// Neither events nor snapshots: the vhost's consumers cannot be seen (the reason says which
+    /// read failed).
     Unavailable(String),
     /// Not yet synchronised once.
     Starting,
@@ -52,18 +63,35 @@ impl Tracking {
     }
 }
 
+impl std::fmt::Display for Tracking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Events => f.write_str("Events"),
+            Self::Polling(why) => write!(f, "Polling ({why})"),
+            Self::Unavailable(why) => write!(f, "Unavailable ({why})"),
+            Self::Starting => f.write_str("Starting"),
+        }
+    }
+}
+
+/// One vhost's snapshots.
 #[derive(Debug, Clone, Default)]
-struct Health {
-    events: Option<Result<(), String>>,
+struct Vhost {
     snapshot: Option<Result<(), String>>,
+    /// When it was last read (ms; 0: never).
+    read_ms: i64,
+    requested: bool,
 }
 
 pub struct ConsumerTracker {
+    id: u64,
     broker: Arc<Broker>,
     registry: Mutex<Registry>,
     changes: broadcast::Sender<Change>,
-    health: Mutex<Health>,
-    synced: watch::Sender<bool>,
+    events: Mutex<Option<Result<(), String>>>,
+    vhosts: Mutex<BTreeMap<String, Vhost>>,
+    /// Bumped after every snapshot, for [`Self::wait_synced`].
+    snapshots: watch::Sender<u64>,
     resync: Notify,
     /// Queues whose deletion matters, and whether the last snapshot saw them.
     watched: Mutex<HashMap<QueueKey, bool>>,
@@ -73,13 +101,16 @@ pub struct ConsumerTracker {
 impl ConsumerTracker {
     /// Starts tracking through `broker` (an endpoint on the vhost the event exchange lives in).
     pub fn start(broker: Arc<Broker>) -> Arc<Self> {
+        static IDS: AtomicU64 = AtomicU64::new(1);
         let (changes, _) = broadcast::channel(4096);
         let tracker = Arc::new(Self {
+            id: IDS.fetch_add(1, Ordering::Relaxed),
             broker,
             registry: Mutex::default(),
             changes,
-            health: Mutex::default(),
-            synced: watch::channel(false).0,
+            events: Mutex::default(),
+            vhosts: Mutex::default(),
+            snapshots: watch::channel(0).0,
             resync: Notify::new(),
             watched: Mutex::default(),
             deleted: Mutex::default(),
@@ -89,7 +120,12 @@ impl ConsumerTracker {
         tracker
     }
 
-    /// Attach, detach and deletion changes, as they happen.
+    /// Distinguishes trackers (one per broker) for as long as the process runs.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Attach, detach, deletion and tracking changes, as they happen.
     pub fn subscribe(&self) -> broadcast::Receiver<Change> {
         self.changes.subscribe()
     }
@@ -98,38 +134,60 @@ impl ConsumerTracker {
         lock(&self.registry).consumers_on(queue)
     }
 
-    pub fn tracking(&self) -> Tracking {
-        let h = lock(&self.health).clone();
-        match (h.events, h.snapshot) {
-            (_, None) => Tracking::Starting,
-            (Some(Ok(())), Some(Ok(()))) => Tracking::Events,
-            (events, Some(Ok(()))) => Tracking::Polling(match events {
-                Some(Err(why)) => why,
-                _ => "event subscription starting".into(),
-            }),
-            (_, Some(Err(why))) => Tracking::Unavailable(why),
+    /// Starts snapshotting a vhost (at once, the first time).
+    pub fn track_vhost(&self, vhost: &str) {
+        let mut vhosts = lock(&self.vhosts);
+        if !vhosts.contains_key(vhost) {
+            vhosts.insert(vhost.to_owned(), Vhost { requested: true, ..Default::default() });
+            drop(vhosts);
+            self.resync.notify_one();
         }
     }
 
-    /// Waits until the first snapshot is in (or `timeout` passes).
-    pub async fn wait_synced(&self, timeout: Duration) -> bool {
-        let mut rx = self.synced.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|s| *s)).await.is_ok_and(|r| r.is_ok())
+    /// How the consumers of `vhost` are seen now.
+    pub fn tracking(&self, vhost: &str) -> Tracking {
+        let snapshot = lock(&self.vhosts).get(vhost).and_then(|v| v.snapshot.clone());
+        combine(lock(&self.events).clone(), snapshot)
     }
 
-    /// Asks for a snapshot now (after reconnecting, or when an event named an unknown channel).
+    /// Waits until `vhost` has been snapshotted once (or `timeout` passes); starts tracking it.
+    pub async fn wait_synced(&self, vhost: &str, timeout: Duration) -> bool {
+        self.track_vhost(vhost);
+        let mut rx = self.snapshots.subscribe();
+        let synced = || lock(&self.vhosts).get(vhost).is_some_and(|v| v.snapshot.is_some());
+        tokio::time::timeout(timeout, rx.wait_for(|_| synced())).await.is_ok_and(|r| r.is_ok())
+    }
+
+    /// Asks for a snapshot of every tracked vhost now (after reconnecting).
     pub fn request_resync(&self) {
+        for v in lock(&self.vhosts).values_mut() {
+            v.requested = true;
+        }
         self.resync.notify_one();
     }
 
-    /// Registers a queue whose deletion should be noticed even without events.
+    /// Registers a queue whose deletion should be noticed even without events; tracks its vhost.
     pub fn watch_queue(&self, queue: QueueKey) {
+        self.track_vhost(&queue.vhost);
         lock(&self.watched).entry(queue).or_insert(false);
     }
 
     /// True once per deletion of `queue` seen since the last call.
     pub fn take_deleted(&self, queue: &QueueKey) -> bool {
         lock(&self.deleted).remove(queue)
+    }
+
+    /// Feeds one broker event through the registry and tells subscribers what changed.
+    fn apply(&self, event: BrokerEvent) {
+        let (changes, wanted) = {
+            let mut registry = lock(&self.registry);
+            let changes = registry.apply(event, now_ms());
+            (changes, !registry.resync_wanted().is_empty())
+        };
+        self.publish(changes);
+        if wanted {
+            self.resync.notify_one();
+        }
     }
 
     fn publish(&self, changes: Vec<Change>) {
@@ -144,32 +202,110 @@ impl ConsumerTracker {
     }
 
     fn set_events(&self, state: Result<(), String>) {
-        lock(&self.health).events = Some(state);
+        let changed = lock(&self.events).replace(state.clone()).is_none_or(|old| old.is_ok() != state.is_ok());
+        if changed {
+            let _ = self.changes.send(Change::Tracking { vhost: None });
+        }
     }
 
-    async fn snapshot(&self) -> Result<(), String> {
-        let m = &self.broker.management;
-        let (consumers, names) = tokio::try_join!(m.consumers(), m.connection_names()).map_err(|e| e.to_string())?;
-        let watched: Vec<QueueKey> = lock(&self.watched).keys().cloned().collect();
-        let mut present = HashSet::new();
-        for vhost in watched.iter().map(|q| q.vhost.clone()).collect::<HashSet<_>>() {
-            for name in m.queue_names(&vhost).await.map_err(|e| e.to_string())? {
-                present.insert(QueueKey::new(vhost.clone(), name));
+    /// The vhosts due for a snapshot now, marked as read.
+    fn due(&self, now: i64) -> Vec<String> {
+        let interval = if matches!(*lock(&self.events), Some(Ok(()))) { RESYNC_WITH_EVENTS } else { RESYNC_POLLING };
+        let wanted = lock(&self.registry).resync_wanted().clone();
+        let mut vhosts = lock(&self.vhosts);
+        let mut due = Vec::new();
+        for (name, v) in vhosts.iter_mut() {
+            let age = now - v.read_ms;
+            let pending = wanted.contains(name) && age >= RESYNC_PENDING.as_millis() as i64;
+            if v.requested || pending || age >= interval.as_millis() as i64 {
+                v.requested = false;
+                v.read_ms = now;
+                due.push(name.clone());
             }
         }
+        due
+    }
+
+    /// How long the resync loop may sleep before a vhost is due.
+    fn idle(&self, now: i64) -> Duration {
+        let interval = if matches!(*lock(&self.events), Some(Ok(()))) { RESYNC_WITH_EVENTS } else { RESYNC_POLLING };
+        let wanted = lock(&self.registry).resync_wanted().clone();
+        let vhosts = lock(&self.vhosts);
+        let next = vhosts
+            .iter()
+            .map(|(name, v)| {
+                let every = if wanted.contains(name) { RESYNC_PENDING } else { interval };
+                v.read_ms + every.as_millis() as i64
+            })
+            .min();
+        next.map_or(interval, |at| Duration::from_millis((at - now).max(0) as u64))
+    }
+
+    async fn snapshot(&self, vhost: &str) {
+        let before = self.tracking(vhost);
+        let result = self.read(vhost).await;
+        if let Err(e) = &result {
+            tracing::warn!(broker = %self.broker.uri.display(), %vhost, error = %e, "consumer snapshot failed");
+        }
+        if let Some(v) = lock(&self.vhosts).get_mut(vhost) {
+            v.snapshot = Some(result);
+        }
+        if self.tracking(vhost) != before {
+            let _ = self.changes.send(Change::Tracking { vhost: Some(vhost.to_owned()) });
+        }
+        self.snapshots.send_modify(|n| *n += 1);
+    }
+
+    async fn read(&self, vhost: &str) -> Result<(), String> {
+        let m = &self.broker.management;
+        let watched: Vec<QueueKey> = lock(&self.watched).keys().filter(|q| q.vhost == vhost).cloned().collect();
+        let queue_names = async { if watched.is_empty() { Ok(vec![]) } else { m.queue_names(vhost).await } };
+        let (consumers, connections, queues) =
+            tokio::join!(m.consumers_in(vhost), m.connections_in(vhost), queue_names);
+        let consumers = consumers.map_err(|e| format!("reading the consumers of vhost '{vhost}': {e}"))?;
+        let present: HashSet<String> =
+            queues.map_err(|e| format!("reading the queues of vhost '{vhost}': {e}"))?.into_iter().collect();
+        // Without connection facts, names and connection times are unknown until the next read.
+        let connections = connections.unwrap_or_else(|e| {
+            tracing::debug!(%vhost, error = %e, "could not read the vhost's connections");
+            vec![]
+        });
         let now = now_ms();
-        let snapshot = consumers.into_iter().map(|c| from_info(c, now)).collect();
-        let mut changes = lock(&self.registry).resync(snapshot, names, now);
+        let snapshot = Snapshot {
+            vhost: vhost.to_owned(),
+            consumers: consumers.into_iter().map(|c| from_info(c, now)).collect(),
+            connections: connections
+                .into_iter()
+                .map(|c| {
+                    (c.name, ConnectionFacts { user_provided_name: c.user_provided_name, connected_ms: c.connected_at })
+                })
+                .collect(),
+        };
+        let mut changes = lock(&self.registry).resync(snapshot, now);
         // Without events, a watched queue that was there and is gone was deleted.
-        for (queue, seen) in lock(&self.watched).iter_mut() {
-            let now_present = present.contains(queue);
-            if *seen && !now_present {
-                changes.push(Change::QueueDeleted { queue: queue.clone() });
+        for queue in watched {
+            if let Some(seen) = lock(&self.watched).get_mut(&queue) {
+                let now_present = present.contains(&queue.name);
+                if *seen && !now_present {
+                    changes.push(Change::QueueDeleted { queue: queue.clone() });
+                }
+                *seen = now_present;
             }
-            *seen = now_present;
         }
         self.publish(changes);
         Ok(())
+    }
+}
+
+fn combine(events: Option<Result<(), String>>, snapshot: Option<Result<(), String>>) -> Tracking {
+    match (events, snapshot) {
+        (_, None) => Tracking::Starting,
+        (Some(Ok(())), Some(Ok(()))) => Tracking::Events,
+        (events, Some(Ok(()))) => Tracking::Polling(match events {
+            Some(Err(why)) => why,
+            _ => "event subscription starting".into(),
+        }),
+        (_, Some(Err(why))) => Tracking::Unavailable(why),
     }
 }
 
@@ -183,21 +319,18 @@ fn from_info(c: ConsumerInfo, now_ms: i64) -> Consumer {
         prefetch: c.prefetch_count,
         ack_required: c.ack_required,
         since_ms: now_ms,
+        connected_ms: None,
     }
 }
 
 async fn resync_loop(tracker: Weak<ConsumerTracker>) {
     loop {
         let Some(t) = tracker.upgrade() else { return };
-        let result = t.snapshot().await;
-        if let Err(e) = &result {
-            tracing::warn!(broker = %t.broker.uri.display(), error = %e, "consumer snapshot failed");
-        }
-        lock(&t.health).snapshot = Some(result);
-        t.synced.send_replace(true);
-        let interval = if t.tracking() == Tracking::Events { RESYNC_WITH_EVENTS } else { RESYNC_POLLING };
+        let due = t.due(now_ms());
+        futures::future::join_all(due.iter().map(|vhost| t.snapshot(vhost))).await;
+        let wait = t.idle(now_ms());
         tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = t.resync.notified() => {}
         }
     }
@@ -278,15 +411,7 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError
         let Ok(delivery) = delivery else { break };
         let Some(headers) = delivery.properties.headers() else { continue };
         let Some(event) = events::parse(delivery.routing_key.as_str(), headers) else { continue };
-        let (changes, stale) = {
-            let mut registry = lock(&t.registry);
-            let changes = registry.apply(event, now_ms());
-            (changes, registry.is_stale())
-        };
-        t.publish(changes);
-        if stale {
-            t.request_resync();
-        }
+        t.apply(event);
     }
     if let Some(t) = tracker.upgrade() {
         t.set_events(Err("event subscription lost; reconnecting".into()));

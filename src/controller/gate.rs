@@ -1,22 +1,394 @@
-//! The gate's Kubernetes I/O: read the consumer Deployments and their pods, then write what
-//! [`crate::gate::decide`] decided: pod conditions (pods/status), strategy patches, the PDB.
+//! The gate's Kubernetes and broker I/O around the pure [`GateIndex`]: the watches and the
+//! consumer trackers feed it, one task writes every pod condition it decides, a timer wakes it
+//! when time alone changes a verdict, and each policy's reconcile reads its view from it (no
+//! LISTs) and applies the strategy patches and disruption budgets that view calls for.
 
 use super::{Context, Error, FIELD_MANAGER};
 use crate::{
-    consumers::{ConsumerTracker, QueueKey, Tracking, tracker::now_ms},
-    crd::{GateMode, QueuePolicy},
+    consumers::{Change, Consumer, ConsumerTracker, QueueKey, Tracking, tracker::now_ms},
+    crd::{BudgetOwner, DisruptionBudgetObservation, GateMode, QueuePolicy},
     events::EventSpec,
-    gate::{self, Decision, GatePlan, Observed, pdb, pods::PodFacts},
-    metrics::PolicyLabels,
+    gate::{
+        self, GatePlan, PodPatch,
+        index::{Binding, Budget, BudgetFacts, Consumers, DeploymentFacts, Effects, GateIndex, ObjectKey, PolicyFacts},
+        pdb,
+        pods::PodFacts,
+    },
+    metrics::{Metrics, PolicyLabels},
+    plan::Limits,
     status::GateReport,
 };
-use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget};
-use kube::{
-    Api, Resource, ResourceExt,
-    api::{DeleteParams, ListParams, Patch, PatchParams},
-    core::Selector,
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::{
+    apps::v1::Deployment,
+    core::v1::{ObjectReference, Pod},
+    policy::v1::PodDisruptionBudget,
 };
-use std::{collections::HashSet, time::Duration};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{DeleteParams, Patch, PatchParams},
+    runtime::{
+        events::{Event, EventType, Recorder},
+        reflector::ObjectRef,
+        watcher,
+    },
+};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, Weak},
+    time::Duration,
+};
+use tokio::sync::{Notify, broadcast::error::RecvError, mpsc, watch};
+
+/// How long a reconcile waits for the gate's watches to sync before it retries.
+const SYNC_WAIT: Duration = Duration::from_secs(30);
+
+/// The index, what feeds it and what performs its decisions.
+pub struct Gate {
+    index: Mutex<GateIndex>,
+    trackers: Mutex<HashMap<u64, Arc<ConsumerTracker>>>,
+    limits: Limits,
+    writes: mpsc::UnboundedSender<PodPatch>,
+    wake: mpsc::UnboundedSender<ObjectRef<QueuePolicy>>,
+    timer: Arc<Notify>,
+    synced: watch::Sender<bool>,
+    /// Objects of a watch's re-list, until its end says which others are gone.
+    relists: Mutex<Relists>,
+}
+
+#[derive(Default)]
+struct Relists {
+    policies: Option<Vec<PolicyFacts>>,
+    deployments: Option<Vec<DeploymentFacts>>,
+    pods: Option<Vec<PodFacts>>,
+    budgets: Option<Vec<BudgetFacts>>,
+}
+
+/// The trackers, as the index reads consumers.
+struct Live(HashMap<u64, Arc<ConsumerTracker>>);
+
+impl Consumers for Live {
+    fn consumers_on(&self, source: u64, queue: &QueueKey) -> Vec<Consumer> {
+        self.0.get(&source).map(|t| t.consumers_on(queue)).unwrap_or_default()
+    }
+
+    fn tracking(&self, source: u64, vhost: &str) -> Tracking {
+        self.0.get(&source).map_or(Tracking::Unavailable("no consumer tracker".into()), |t| t.tracking(vhost))
+    }
+}
+
+impl Gate {
+    /// Starts the pod condition writer and the timer. Policies the index wakes come out of the
+    /// returned receiver.
+    pub fn start(
+        client: Client,
+        recorder: Recorder,
+        metrics: Arc<Metrics>,
+        limits: Limits,
+    ) -> (Arc<Self>, mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>) {
+        let (writes, write_rx) = mpsc::unbounded_channel();
+        let (wake, wake_rx) = mpsc::unbounded_channel();
+        let gate = Arc::new(Self {
+            index: Mutex::default(),
+            trackers: Mutex::default(),
+            limits,
+            writes,
+            wake,
+            timer: Arc::default(),
+            synced: watch::channel(false).0,
+            relists: Mutex::default(),
+        });
+        tokio::spawn(write_conditions(Arc::downgrade(&gate), client, recorder, metrics, write_rx));
+        tokio::spawn(run_timers(Arc::downgrade(&gate), gate.timer.clone()));
+        (gate, wake_rx)
+    }
+
+    /// Changes the index, evaluates what changed, and sends the writes and wake-ups.
+    pub fn update<R>(&self, change: impl FnOnce(&mut GateIndex) -> R) -> R {
+        let trackers = Live(lock(&self.trackers).clone());
+        let (result, effects, synced) = {
+            let mut index = lock(&self.index);
+            let was_synced = index.synced().all();
+            let result = change(&mut index);
+            let synced = index.synced().all();
+            if synced && !was_synced {
+                index.mark_all();
+            }
+            (result, index.flush(&trackers, now_ms()), synced)
+        };
+        self.dispatch(effects);
+        if synced {
+            self.synced.send_if_modified(|s| !std::mem::replace(s, true));
+        }
+        result
+    }
+
+    fn dispatch(&self, effects: Effects) {
+        for patch in effects.patches {
+            let _ = self.writes.send(patch);
+        }
+        for key in effects.wake {
+            let _ = self.wake.send(ObjectRef::new(&key.name).within(&key.namespace));
+        }
+        self.timer.notify_one();
+    }
+
+    /// Whether every watch has delivered its first list.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    pub async fn wait_synced(&self, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.synced()).await.is_ok()
+    }
+
+    /// Resolves once every watch has delivered its first list.
+    pub async fn synced(&self) {
+        let mut rx = self.synced.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// Records that a policy counts consumers on `queue` through `tracker` (or why it cannot),
+    /// and makes sure that tracker's changes reach the index.
+    pub fn bind(self: &Arc<Self>, policy: &ObjectKey, binding: Result<(Arc<ConsumerTracker>, QueueKey), String>) {
+        let binding = binding.map(|(tracker, queue)| {
+            let source = tracker.id();
+            let new = lock(&self.trackers).insert(source, tracker.clone()).is_none();
+            if new {
+                tokio::spawn(forward_changes(Arc::downgrade(self), source, tracker.subscribe()));
+            }
+            Binding { source, queue }
+        });
+        self.update(|i| i.bind(policy, binding));
+    }
+
+    /// The policy as the reconcile sees it (the watch may not have delivered it yet).
+    pub fn upsert_policy(&self, policy: &QueuePolicy) {
+        let facts = PolicyFacts::from_policy(policy, self.limits);
+        self.update(|i| i.upsert_policy(facts));
+    }
+
+    pub fn forget_policy(&self, policy: &ObjectKey) {
+        self.update(|i| i.remove_policy(policy));
+    }
+
+    pub fn view(&self, policy: &ObjectKey) -> Option<gate::index::PolicyView> {
+        let trackers = Live(lock(&self.trackers).clone());
+        lock(&self.index).policy_view(policy, &trackers, now_ms())
+    }
+
+    /// Reads the index without changing it.
+    pub fn read<R>(&self, f: impl FnOnce(&GateIndex) -> R) -> R {
+        f(&lock(&self.index))
+    }
+
+    // ---- Watches ----
+
+    pub fn on_policy(&self, event: &watcher::Event<QueuePolicy>) {
+        let limits = self.limits;
+        let facts = |p: &QueuePolicy| PolicyFacts::from_policy(p, limits);
+        match event {
+            watcher::Event::Apply(p) => {
+                let f = facts(p);
+                self.update(|i| i.upsert_policy(f));
+            }
+            watcher::Event::Delete(p) => self.update(|i| i.remove_policy(&ObjectKey::of(p))),
+            watcher::Event::Init => lock(&self.relists).policies = Some(vec![]),
+            watcher::Event::InitApply(p) => lock(&self.relists).policies.get_or_insert_default().push(facts(p)),
+            watcher::Event::InitDone => {
+                let all = lock(&self.relists).policies.take().unwrap_or_default();
+                self.update(|i| i.replace_policies(all));
+            }
+        }
+    }
+
+    pub fn on_deployment(&self, event: &watcher::Event<Deployment>) {
+        match event {
+            watcher::Event::Apply(d) => {
+                let f = DeploymentFacts::from_deployment(d);
+                self.update(|i| i.upsert_deployment(f));
+            }
+            watcher::Event::Delete(d) => self.update(|i| i.remove_deployment(&ObjectKey::of(d))),
+            watcher::Event::Init => lock(&self.relists).deployments = Some(vec![]),
+            watcher::Event::InitApply(d) => {
+                lock(&self.relists).deployments.get_or_insert_default().push(DeploymentFacts::from_deployment(d))
+            }
+            watcher::Event::InitDone => {
+                let all = lock(&self.relists).deployments.take().unwrap_or_default();
+                self.update(|i| i.replace_deployments(all));
+            }
+        }
+    }
+
+    pub fn on_pod(&self, event: &watcher::Event<Pod>) {
+        let now = now_ms();
+        match event {
+            watcher::Event::Apply(p) => {
+                let f = PodFacts::from_pod(p);
+                self.update(|i| i.upsert_pod(f, now));
+            }
+            watcher::Event::Delete(p) => {
+                let uid = p.uid().unwrap_or_default();
+                self.update(|i| i.remove_pod(&uid));
+            }
+            watcher::Event::Init => lock(&self.relists).pods = Some(vec![]),
+            watcher::Event::InitApply(p) => {
+                lock(&self.relists).pods.get_or_insert_default().push(PodFacts::from_pod(p))
+            }
+            watcher::Event::InitDone => {
+                let all = lock(&self.relists).pods.take().unwrap_or_default();
+                self.update(|i| i.replace_pods(all, now));
+            }
+        }
+    }
+
+    pub fn on_budget(&self, event: &watcher::Event<PodDisruptionBudget>) {
+        match event {
+            watcher::Event::Apply(b) => {
+                let f = BudgetFacts::from_budget(b);
+                self.update(|i| i.upsert_budget(f));
+            }
+            watcher::Event::Delete(b) => self.update(|i| i.remove_budget(&ObjectKey::of(b))),
+            watcher::Event::Init => lock(&self.relists).budgets = Some(vec![]),
+            watcher::Event::InitApply(b) => {
+                lock(&self.relists).budgets.get_or_insert_default().push(BudgetFacts::from_budget(b))
+            }
+            watcher::Event::InitDone => {
+                let all = lock(&self.relists).budgets.take().unwrap_or_default();
+                self.update(|i| i.replace_budgets(all));
+            }
+        }
+    }
+}
+
+/// Feeds a watch into the gate until it ends.
+pub async fn feed<K, S>(stream: S, apply: impl Fn(&watcher::Event<K>))
+where
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    let mut stream = std::pin::pin!(stream);
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(event) => apply(&event),
+            Err(e) => tracing::warn!(error = %e, "gate watch error; retrying"),
+        }
+    }
+}
+
+/// A tracker's changes into the index, in batches (a burst of attaches is one evaluation).
+async fn forward_changes(gate: Weak<Gate>, source: u64, mut changes: tokio::sync::broadcast::Receiver<Change>) {
+    loop {
+        let first = changes.recv().await;
+        let Some(gate) = gate.upgrade() else { return };
+        let mut batch = Vec::new();
+        let mut lagged = false;
+        match first {
+            Ok(c) => batch.push(c),
+            Err(RecvError::Lagged(_)) => lagged = true,
+            Err(RecvError::Closed) => return,
+        }
+        loop {
+            match changes.try_recv() {
+                Ok(c) => batch.push(c),
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => lagged = true,
+                Err(_) => break,
+            }
+        }
+        gate.update(|i| {
+            if lagged {
+                i.all_consumers_changed();
+            }
+            for change in &batch {
+                i.consumers_changed(source, change);
+            }
+        });
+    }
+}
+
+/// Wakes the index when a verdict changes by time alone (minAttachedSeconds, attachTimeout,
+/// a write to try again).
+async fn run_timers(gate: Weak<Gate>, timer: Arc<Notify>) {
+    loop {
+        let notified = timer.notified();
+        let Some(g) = gate.upgrade() else { return };
+        let next = lock(&g.index).next_due();
+        drop(g);
+        let sleep = match next {
+            Some(at) => Duration::from_millis((at - now_ms()).max(0) as u64),
+            None => Duration::from_secs(3600),
+        };
+        tokio::select! {
+            () = tokio::time::sleep(sleep) => {
+                let Some(g) = gate.upgrade() else { return };
+                g.update(|i| i.tick(now_ms()));
+            }
+            () = notified => {}
+        }
+    }
+}
+
+/// The one writer of pod conditions: each patch in order, then its Event on the pod.
+async fn write_conditions(
+    gate: Weak<Gate>,
+    client: Client,
+    recorder: Recorder,
+    metrics: Arc<Metrics>,
+    mut patches: mpsc::UnboundedReceiver<PodPatch>,
+) {
+    while let Some(patch) = patches.recv().await {
+        let api: Api<Pod> = Api::namespaced(client.clone(), &patch.namespace);
+        match api.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await {
+            Ok(_) => {
+                publish_on_pod(&recorder, &patch).await;
+                if let Some(waited) = patch.waited_ms {
+                    for p in &patch.policies {
+                        let labels = PolicyLabels { namespace: p.namespace.clone(), policy: p.name.clone() };
+                        metrics.gate_opened(&labels, Duration::from_millis(waited as u64));
+                    }
+                }
+            }
+            Err(e) => {
+                match &e {
+                    // Gone, or replaced under the same name (the UID precondition failed): the
+                    // watch brings the news.
+                    kube::Error::Api(s) if matches!(s.code, 404 | 409 | 422) => {
+                        tracing::debug!(pod = %patch.pod, reason = %s.message, "pod changed before its condition was written")
+                    }
+                    e => {
+                        tracing::warn!(pod = %patch.pod, error = %e, "could not write the pod's gate condition; retrying")
+                    }
+                }
+                if let Some(g) = gate.upgrade() {
+                    g.update(|i| i.write_failed(&patch.uid, now_ms()));
+                }
+            }
+        }
+    }
+}
+
+async fn publish_on_pod(recorder: &Recorder, patch: &PodPatch) {
+    let spec = patch.event();
+    let reference = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(patch.pod.clone()),
+        namespace: Some(patch.namespace.clone()),
+        uid: Some(patch.uid.clone()),
+        ..Default::default()
+    };
+    let event = Event {
+        type_: if spec.warning { EventType::Warning } else { EventType::Normal },
+        reason: spec.reason.clone(),
+        note: Some(spec.note),
+        action: spec.action.into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, &reference).await {
+        tracing::warn!(error = %e, reason = %spec.reason, "could not publish event");
+    }
+}
+
+// ---- One policy's reconcile ----
 
 /// What one gate pass produced for the reconcile to report.
 pub struct GatePass {
@@ -25,129 +397,114 @@ pub struct GatePass {
     pub recheck_after: Option<Duration>,
 }
 
-/// Runs the gate for one policy. `tracker` is None when the broker cannot be reached at all.
-pub async fn run(
-    policy: &QueuePolicy,
-    plan: &GatePlan,
-    queue: &QueueKey,
-    tracker: Result<&ConsumerTracker, String>,
-    ctx: &Context,
-) -> Result<GatePass, Error> {
-    let ns = policy.namespace().unwrap_or_else(|| "default".into());
-    let deployments = consumer_deployments(&ctx.client, &ns, plan).await?;
-    let mut pods = Vec::new();
-    for d in &deployments {
-        pods.extend(pods_of(&ctx.client, &ns, d).await?);
+/// The gate's part of a policy's reconcile: its view from the index, the strategy patches and
+/// disruption budgets it calls for (Enforce mode), and its report.
+pub async fn run(policy: &QueuePolicy, plan: &GatePlan, ctx: &Context) -> Result<GatePass, Error> {
+    if !ctx.gate.wait_synced(SYNC_WAIT).await {
+        return Err(Error::NotSynced);
     }
-    let (consumers, tracking) = match tracker {
-        Ok(t) => (t.consumers_on(queue), t.tracking()),
-        Err(why) => (vec![], Tracking::Unavailable(why)),
-    };
-    let seen = Observed {
-        queue,
-        deployments: &deployments,
-        pods: &pods,
-        consumers: &consumers,
-        tracking: &tracking,
-        now_ms: now_ms(),
-    };
-    let decision = gate::decide(plan, &seen);
+    let key = ObjectKey::of(policy);
+    let view = ctx.gate.view(&key).ok_or(Error::NotSynced)?;
+    let previous = policy.status.as_ref().and_then(|s| s.rollout.as_ref()).map(|r| r.phase);
+    let report = gate::report(plan, &view, previous, now_ms());
+    let mut events = report.events;
     if plan.mode == GateMode::Enforce {
-        apply(policy, plan, &ns, &deployments, &decision, ctx).await?;
-    }
-    let Decision { consumers_attached, rollout_safe, consumers, rollout, events, recheck_after, opened_after, .. } =
-        decision;
-    if plan.mode == GateMode::Enforce {
-        let labels = PolicyLabels { namespace: ns.clone(), policy: policy.name_any() };
-        for waited in opened_after {
-            ctx.metrics.gate_opened(&labels, waited);
+        let deploys: Api<Deployment> = Api::namespaced(ctx.client.clone(), &key.namespace);
+        for (name, patch) in &report.strategy_patches {
+            deploys.patch(name, &PatchParams::default(), &Patch::Strategic(patch)).await?;
         }
     }
-    Ok(GatePass { report: GateReport { consumers_attached, rollout_safe, consumers, rollout }, events, recheck_after })
+    let budgets = sync_budgets(policy, ctx).await?;
+    let old: Vec<&DisruptionBudgetObservation> =
+        policy.status.as_ref().map(|s| s.disruption_budgets.iter().collect()).unwrap_or_default();
+    for b in budgets.iter().filter(|b| b.owner == BudgetOwner::Foreign && !old.contains(b)) {
+        events.push(EventSpec {
+            warning: false,
+            reason: "DisruptionBudgetSkipped".into(),
+            action: "GuardDrains",
+            note: format!(
+                "PodDisruptionBudget '{}' already selects the pods of Deployment '{}': queueguard creates none (the eviction API refuses pods covered by two budgets)",
+                b.name, b.deployment
+            ),
+        });
+    }
+    Ok(GatePass {
+        report: GateReport {
+            consumers_attached: report.consumers_attached,
+            rollout_safe: report.rollout_safe,
+            consumers: report.consumers,
+            rollout: report.rollout,
+            budgets,
+        },
+        events,
+        recheck_after: report.recheck_after,
+    })
 }
 
-/// The Deployments named by spec.consumers (by name, or by label selector).
-pub async fn consumer_deployments(client: &kube::Client, ns: &str, plan: &GatePlan) -> Result<Vec<Deployment>, Error> {
-    let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    if let Some(name) = &plan.consumers.deployment {
-        return Ok(api.get_opt(name).await?.into_iter().collect());
-    }
-    let Some(selector) = plan.consumers.selector.clone() else { return Ok(vec![]) };
-    let selector = Selector::try_from(selector).map_err(|e| Error::InvalidSelector(e.to_string()))?;
-    if selector.selects_all() {
-        // An empty selector would be every Deployment of the namespace: it guards none, as in
-        // triggers::guards and the webhook.
-        return Ok(vec![]);
-    }
-    Ok(api.list(&ListParams::default().labels_from(&selector)).await?.items)
-}
-
-async fn pods_of(client: &kube::Client, ns: &str, deployment: &Deployment) -> Result<Vec<PodFacts>, Error> {
-    let Some(selector) = deployment.spec.as_ref().map(|s| s.selector.clone()) else { return Ok(vec![]) };
-    let selector = Selector::try_from(selector).map_err(|e| Error::InvalidSelector(e.to_string()))?;
-    if selector.selects_all() {
-        // A Deployment always has a selector; an empty one would be every pod of the namespace.
-        return Ok(vec![]);
-    }
-    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let pods = api.list(&ListParams::default().labels_from(&selector)).await?;
-    Ok(pods.items.iter().map(PodFacts::from_pod).collect())
-}
-
-async fn apply(
-    policy: &QueuePolicy,
-    plan: &GatePlan,
-    ns: &str,
-    deployments: &[Deployment],
-    decision: &Decision,
-    ctx: &Context,
-) -> Result<(), Error> {
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-    for patch in &decision.pod_patches {
-        match pods.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await {
-            Ok(_) => {}
-            // Gone, or replaced under the same name (the UID precondition failed): the next
-            // pass sees the new pod.
-            Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409 | 422) => {
-                tracing::debug!(pod = %patch.pod, reason = %e.message, "pod changed before its condition was written");
+/// Brings the disruption budgets of the policy's Deployments (and of any budget naming the
+/// policy as an owner) to what the index decides, reading them from the watch. Returns what
+/// the policy's status says of them.
+pub async fn sync_budgets(policy: &QueuePolicy, ctx: &Context) -> Result<Vec<DisruptionBudgetObservation>, Error> {
+    let key = ObjectKey::of(policy);
+    let uid = policy.uid().unwrap_or_default();
+    let api: Api<PodDisruptionBudget> = Api::namespaced(ctx.client.clone(), &key.namespace);
+    let (guarded, decisions, touching) = ctx.gate.read(|i| {
+        let guarded = i.guarded(&key);
+        let mut decisions: Vec<(String, Budget)> = guarded.iter().map(|d| (d.name.clone(), i.budget_for(d))).collect();
+        let touching = i.budgets_touching(&key.namespace, &uid, &guarded);
+        for b in &touching {
+            if let Some(d) = &b.deployment
+                && !decisions.iter().any(|(name, _)| name == d)
+            {
+                decisions.push((d.clone(), i.budget_for(&ObjectKey::new(key.namespace.clone(), d.clone()))));
             }
+        }
+        (guarded, decisions, touching)
+    });
+    let mut seen = Vec::new();
+    let mut wanted = Vec::new();
+    for (deployment, decision) in &decisions {
+        match decision {
+            Budget::Want(want) => {
+                let name = want.name_any();
+                let existing = touching.iter().find(|b| b.key.name == name);
+                if !existing.is_some_and(|b| pdb::same(&b.object, want)) {
+                    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(want)).await?;
+                }
+                let min = want.spec.as_ref().and_then(|s| s.min_available.as_ref()).and_then(|m| match m {
+                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n) => Some(*n),
+                    _ => None,
+                });
+                seen.push(DisruptionBudgetObservation {
+                    deployment: deployment.clone(),
+                    name: name.clone(),
+                    owner: BudgetOwner::Managed,
+                    min_available: min,
+                });
+                wanted.push(name);
+            }
+            Budget::Foreign(names) => seen.extend(names.iter().map(|n| DisruptionBudgetObservation {
+                deployment: deployment.clone(),
+                name: n.clone(),
+                owner: BudgetOwner::Foreign,
+                min_available: None,
+            })),
+            Budget::None => {}
+        }
+    }
+    for stale in touching.iter().filter(|b| !wanted.contains(&b.key.name)) {
+        match api.delete(&stale.key.name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
             Err(e) => return Err(e.into()),
         }
     }
-    let deploys: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
-    for (name, patch) in &decision.strategy_patches {
-        deploys.patch(name, &PatchParams::default(), &Patch::Strategic(patch)).await?;
-    }
-    sync_pdbs(policy, plan, ns, deployments, ctx).await
+    // Budgets of Deployments this policy no longer guards were brought in line above; its
+    // status speaks of its own.
+    seen.retain(|b| guarded.iter().any(|d| d.name == b.deployment));
+    Ok(seen)
 }
 
-/// Applies the PDB of each consumer Deployment and deletes the policy's PDBs no longer wanted.
-async fn sync_pdbs(
-    policy: &QueuePolicy,
-    plan: &GatePlan,
-    ns: &str,
-    deployments: &[Deployment],
-    ctx: &Context,
-) -> Result<(), Error> {
-    let api: Api<PodDisruptionBudget> = Api::namespaced(ctx.client.clone(), ns);
-    let owner = policy.controller_owner_ref(&()).ok_or(Error::MissingUid)?;
-    let policy_name = policy.name_any();
-    let mut wanted = HashSet::new();
-    if plan.pod_disruption_budget {
-        for d in deployments {
-            let Some(desired) = pdb::desired(&policy_name, owner.clone(), d, plan.min_attached) else { continue };
-            let name = desired.name_any();
-            api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&desired)).await?;
-            wanted.insert(name);
-        }
-    }
-    let managed = ListParams::default().labels(&format!("{}={}", pdb::MANAGED_BY.0, pdb::MANAGED_BY.1));
-    for existing in api.list(&managed).await?.items {
-        let ours = existing.owner_references().iter().any(|o| o.uid == owner.uid);
-        let name = existing.name_any();
-        if ours && !wanted.contains(&name) {
-            api.delete(&name, &DeleteParams::default()).await?;
-        }
-    }
-    Ok(())
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

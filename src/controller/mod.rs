@@ -2,12 +2,11 @@
 //! status patches and Events. Decisions come from [`crate::reconcile`], [`crate::status`] and
 //! [`crate::events`]; this module only performs the I/O they call for.
 
-mod gate;
+pub mod gate;
 pub mod pattern;
 mod secrets;
-pub mod triggers;
 
-use self::gate as gate_io;
+use self::gate::Gate;
 use crate::{
     broker::BrokerPool,
     cli::RunArgs,
@@ -16,6 +15,7 @@ use crate::{
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
     events::{self, EventSpec},
     findings,
+    gate::index::ObjectKey,
     http::{Endpoints, Health},
     leader::LeaderElector,
     metrics::{Metrics, PolicyLabels},
@@ -26,7 +26,7 @@ use crate::{
 };
 use futures::StreamExt;
 use k8s_openapi::{
-    api::{apps::v1::Deployment, core::v1::Pod},
+    api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget},
     jiff::Timestamp,
 };
 use kube::{
@@ -49,7 +49,6 @@ use std::{
     time::{Duration, Instant},
 };
 use tokio::sync::mpsc;
-use triggers::Triggers;
 
 pub const FINALIZER: &str = "queueguard.io/cleanup";
 /// The one field manager that owns `.status`.
@@ -76,6 +75,8 @@ pub enum Error {
     MissingUid,
     #[error("lost the leader lease")]
     LeadershipLost,
+    #[error("the gate's watches (QueuePolicies, Deployments, Pods, PodDisruptionBudgets) have not synced yet")]
+    NotSynced,
     #[error("{0}")]
     Startup(String),
 }
@@ -90,6 +91,7 @@ impl Error {
             Self::InvalidSelector(_) => "invalid_selector",
             Self::MissingUid => "missing_uid",
             Self::LeadershipLost => "leadership_lost",
+            Self::NotSynced => "not_synced",
             Self::Startup(_) => "startup",
         }
     }
@@ -102,8 +104,9 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub limits: Limits,
-    pub triggers: Triggers,
-    trigger_rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>>>,
+    /// The rollout gate: its index, the pod condition writer, and what wakes policies.
+    pub gate: Arc<Gate>,
+    wake_rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>>>,
     /// The last broker-side outcome per policy, reused by passes that only the gate needs
     /// (a consumer attached): re-declaring on every consumer event would load the broker for
     /// nothing and slow the gate down.
@@ -123,16 +126,22 @@ struct Converged {
 
 impl Context {
     pub fn new(client: Client, connection_name: &str) -> Self {
+        Self::with_limits(client, connection_name, Limits::default())
+    }
+
+    pub fn with_limits(client: Client, connection_name: &str, limits: Limits) -> Self {
         let reporter = Reporter { controller: "queueguard".into(), instance: std::env::var("POD_NAME").ok() };
-        let (triggers, rx) = Triggers::new();
+        let recorder = Recorder::new(client.clone(), reporter);
+        let metrics: Arc<Metrics> = Arc::default();
+        let (gate, wake_rx) = Gate::start(client.clone(), recorder.clone(), metrics.clone(), limits);
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            recorder,
             brokers: Arc::new(BrokerPool::new(connection_name)),
-            metrics: Arc::default(),
+            metrics,
             client,
-            limits: Limits::default(),
-            triggers,
-            trigger_rx: Mutex::new(Some(rx)),
+            limits,
+            gate,
+            wake_rx: Mutex::new(Some(wake_rx)),
             converged: Mutex::default(),
             looked: Mutex::default(),
             watched: Mutex::default(),
@@ -142,10 +151,10 @@ impl Context {
 }
 
 impl Context {
-    /// The stream of policies that broker changes (consumers, queue deletions) wake up; there is
-    /// one receiver, for the controller.
+    /// The stream of policies the gate wakes up (their pods, Deployments, budgets or queue's
+    /// consumers changed, or their queue was deleted); there is one receiver, for the controller.
     pub fn take_trigger_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
-        self.trigger_rx.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.wake_rx.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }
 
@@ -231,47 +240,46 @@ async fn shutdown_signal() {
 
 async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) {
     let client = ctx.client.clone();
-    let (policies, deployments, pods): (Api<QueuePolicy>, Api<Deployment>, Api<Pod>) = match &args.namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
-    };
+    let ns = args.namespace.as_deref();
     let consumer_changes = ctx.take_trigger_receiver().expect("taken once");
-    tracing::info!(namespace = args.namespace.as_deref().unwrap_or("*"), "starting controller");
+    tracing::info!(namespace = ns.unwrap_or("*"), "starting controller");
+    // The gate's index is fed by the watches themselves: no LISTs per reconcile.
+    let gate = ctx.gate.clone();
+    tokio::spawn(async move {
+        gate.synced().await;
+        health.set_synced();
+    });
+    let config = || watcher::Config::default().any_semantic();
+    let g = ctx.gate.clone();
+    tokio::spawn(gate::feed(watcher(scoped::<Deployment>(&client, ns), config()).default_backoff(), move |e| {
+        g.on_deployment(e)
+    }));
+    let g = ctx.gate.clone();
+    tokio::spawn(gate::feed(watcher(scoped::<Pod>(&client, ns), config()).default_backoff(), move |e| g.on_pod(e)));
+    let g = ctx.gate.clone();
+    tokio::spawn(gate::feed(
+        watcher(scoped::<PodDisruptionBudget>(&client, ns), config()).default_backoff(),
+        move |e| g.on_budget(e),
+    ));
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
-    // the generation (deletion too); finalizer edits do not, so they are watched as well.
+    // the generation (deletion too); finalizer edits do not, so they are watched as well. The
+    // gate sees every event of the same watch.
     let (policy_store, policy_writer) = reflector::store();
-    let trigger = watcher(policies, watcher::Config::default().any_semantic())
+    let g = ctx.gate.clone();
+    let trigger = watcher(scoped::<QueuePolicy>(&client, ns), config())
         .default_backoff()
+        .inspect(move |e| {
+            if let Ok(e) = e {
+                g.on_policy(e);
+            }
+        })
         .reflect(policy_writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
-    let (deployment_store, deployment_writer) = reflector::store();
-    let deployment_events = watcher(deployments, watcher::Config::default().any_semantic())
-        .default_backoff()
-        .reflect(deployment_writer)
-        .applied_objects();
-    let pod_events = watcher(pods, watcher::Config::default().any_semantic()).default_backoff().applied_objects();
     let consumer_changes =
         futures::stream::unfold(consumer_changes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
-    let (by_deployment, by_pod) = (policy_store.clone(), policy_store.clone());
-    let (synced_policies, synced_deployments) = (policy_store.clone(), deployment_store.clone());
-    tokio::spawn(async move {
-        if synced_policies.wait_until_ready().await.is_ok() && synced_deployments.wait_until_ready().await.is_ok() {
-            health.set_synced();
-        }
-    });
-    let patterns_api: Api<QueuePattern> = match &args.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
     let policies = Controller::for_stream(trigger, policy_store)
-        .watches_stream(deployment_events, move |d| triggers::policies_for_deployment(&by_deployment, &d))
-        .watches_stream(pod_events, move |p| triggers::policies_for_pod(&by_pod, &deployment_store, &p))
         .reconcile_on(consumer_changes)
         .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .shutdown_on_signal()
@@ -284,7 +292,7 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
         });
     // Status-only updates of patterns must not wake them either.
     let (pattern_store, pattern_writer) = reflector::store();
-    let pattern_trigger = watcher(patterns_api, watcher::Config::default().any_semantic())
+    let pattern_trigger = watcher(scoped::<QueuePattern>(&client, ns), config())
         .default_backoff()
         .reflect(pattern_writer)
         .applied_objects()
@@ -299,6 +307,18 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
             }
         });
     futures::join!(policies, patterns);
+}
+
+/// The API of a namespaced kind, in one namespace or in all.
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = kube::core::NamespaceResourceScope>,
+    <K as Resource>::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
 }
 
 #[tracing::instrument(skip_all, fields(policy = %format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())))]
@@ -350,6 +370,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(policy);
     let mut events = Vec::new();
     let planned = plan::plan(policy, ctx.limits);
+    ctx.gate.upsert_policy(policy);
     let (mut outcome, broker) = match &planned {
         Err(errors) => (Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))), None),
         Ok(plan) => match connect(policy, plan, ctx).await? {
@@ -361,7 +382,6 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
                 let tracker = ctx.brokers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
                 if let Some(t) = &tracker {
                     t.watch_queue(queue.clone());
-                    ctx.triggers.register(queue.clone(), me.clone(), t);
                 }
                 let deleted = tracker.as_ref().is_some_and(|t| t.take_deleted(&queue));
                 let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| !deleted) {
@@ -390,6 +410,14 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         },
     };
 
+    // The gate counts this policy's consumers on its queue, or knows why it cannot.
+    let binding = match (&planned, &broker) {
+        (Ok(plan), Some((b, Some(t)))) => Ok((t.clone(), QueueKey::new(b.vhost(), &plan.queue))),
+        (Ok(_), Some((_, None))) => Err("consumer tracking could not start".to_owned()),
+        _ => Err(outcome.ready().message),
+    };
+    ctx.gate.bind(&ObjectKey::of(policy), binding);
+
     let mut recheck = None;
     if let (Ok(plan), Some((broker, tracker))) = (&planned, &broker)
         && outcome.queue.is_ok()
@@ -397,15 +425,8 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         outcome.findings = look(ctx, &me, plan, broker, tracker.as_deref()).await;
         recheck = Some(FINDINGS_EVERY);
     }
-    if let Ok(QueuePlan { gate: Some(gate_plan), queue, vhost, .. }) = &planned {
-        let (queue_key, tracker) = match &broker {
-            Some((b, t)) => (
-                QueueKey::new(b.vhost(), queue),
-                t.as_deref().ok_or_else(|| "consumer tracking not started".to_owned()),
-            ),
-            None => (QueueKey::new(vhost.clone().unwrap_or_else(|| "/".into()), queue), Err(outcome.ready().message)),
-        };
-        let pass = gate_io::run(policy, gate_plan, &queue_key, tracker, ctx).await?;
+    if let Ok(QueuePlan { gate: Some(gate_plan), .. }) = &planned {
+        let pass = gate::run(policy, gate_plan, ctx).await?;
         outcome.gate = Some(pass.report);
         events.extend(pass.events);
         recheck = [recheck, pass.recheck_after].into_iter().flatten().min();
@@ -475,7 +496,13 @@ fn remember(ctx: &Context, me: &ObjectRef<QueuePolicy>, generation: Option<i64>,
 /// Deleting a QueuePolicy: Retain leaves everything; Delete removes an empty, unused queue.
 async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(policy);
-    ctx.triggers.forget(&me);
+    // No longer voting nor owning budgets: the budgets of its Deployments follow the other
+    // guarding policies, or go.
+    if policy.spec.consumers.is_some() && ctx.gate.is_synced() {
+        ctx.gate.upsert_policy(policy);
+        gate::sync_budgets(policy, ctx).await?;
+    }
+    ctx.gate.forget_policy(&ObjectKey::of(policy));
     ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
     ctx.converged.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
     ctx.looked.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);

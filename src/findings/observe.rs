@@ -39,11 +39,11 @@ pub async fn observe(
             .collect(),
         None => broker
             .management
-            .consumers()
+            .consumers_in(&vhost)
             .await
             .map_err(|e| e.to_string())?
             .into_iter()
-            .filter(|c| c.queue.name == plan.queue && c.queue.vhost == vhost)
+            .filter(|c| c.queue.name == plan.queue)
             .map(|c| ConsumerView {
                 peer: c.channel_details.peer_host.clone().unwrap_or_else(|| c.channel_details.name.clone()),
                 tag: c.consumer_tag,

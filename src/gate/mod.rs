@@ -1,28 +1,45 @@
-//! The rollout gate: from the consumer Deployment, its pods and the queue's live consumers to
-//! pod condition patches, strategy patches, status and Events. Pure; the controller applies it.
+//! The rollout gate, pure: which pods a policy guards, each pod's one verdict over every policy
+//! guarding it, and each policy's report for its status. The controller feeds the index and
+//! performs what it decides.
 //!
 //! A pod carrying the readiness gate `queueguard.io/consumer-attached` stays not-Ready until the
 //! operator sets that condition True, which it does only once the pod's own consumer has been
-//! attached for `minAttachedSeconds`. The Deployment controller counts only Ready pods as
-//! available, so with a safe strategy the last old consumer cannot go before a new one attached.
+//! attached for `minAttachedSeconds` on the queue of every `Enforce` policy guarding it. The
+//! Deployment controller counts only Ready pods as available, so with a safe strategy the last
+//! old consumer cannot go before a new one attached.
+//!
+//! ```text
+//! watches (QueuePolicy, Deployment, Pod, PDB) ─┐
+//! consumer trackers (attach, detach, health) ──┼─▶ index::GateIndex ─flush─▶ PodPatch ─▶ the one pod writer
+//!                                              │     (verdict per pod)    └▶ policies to wake ─▶ reconcile
+//! reconcile (binds a policy to its queue) ─────┘                                ├─ index.policy_view ─▶ report ─▶ status
+//!                                                                               └─ index.budget_for ─▶ PDB
+//! ```
 
+pub mod guards;
+pub mod index;
 pub mod pdb;
 pub mod pods;
 pub mod strategy;
+pub mod verdict;
 
 use crate::{
-    consumers::{Consumer, QueueKey, Tracking},
+    consumers::Tracking,
     crd::{
         ConsumersObservation, ConsumersSpec, FailurePolicy, GateMode, MatchBy, PodAttachment, RolloutObservation,
-        WaitingPod,
+        RolloutPhase, WaitingPod,
     },
     events::EventSpec,
     status::{Check, Reason},
 };
+use index::{ObjectKey, PolicyView};
 use k8s_openapi::{api::apps::v1::Deployment, apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
-use pods::{GATE_CONDITION, PodFacts};
 use serde_json::{Value, json};
 use std::time::Duration;
+pub use verdict::GateReason;
+
+/// The readiness gate (and pod condition type) the operator owns.
+pub const GATE_CONDITION: &str = "queueguard.io/consumer-attached";
 
 /// The gate settings of one policy, resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,35 +55,21 @@ pub struct GatePlan {
     pub consumers: ConsumersSpec,
 }
 
-/// What the gate looks at.
-pub struct Observed<'a> {
-    pub queue: &'a QueueKey,
-    pub deployments: &'a [Deployment],
-    pub pods: &'a [PodFacts],
-    pub consumers: &'a [Consumer],
-    pub tracking: &'a Tracking,
-    pub now_ms: i64,
-}
-
-/// Reasons a pod's gate condition carries.
-pub mod reason {
-    pub const ATTACHED: &str = "ConsumerAttached";
-    pub const NO_CONSUMER: &str = "NoConsumer";
-    pub const TOO_RECENT: &str = "AttachedTooRecently";
-    pub const TIMEOUT_OPEN: &str = "AttachTimeoutExpired";
-    pub const UNREACHABLE_OPEN: &str = "BrokerUnreachable";
-}
-
-/// One pod condition to write.
+/// One pod condition to write: a flip of the pod's combined verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodPatch {
+    pub namespace: String,
     pub pod: String,
     pub uid: String,
     pub attached: bool,
-    pub reason: &'static str,
+    pub reason: GateReason,
     pub message: String,
-    /// lastTransitionTime: now when the status flips, else the time it last flipped.
+    /// lastTransitionTime: when the verdict flipped.
     pub transition_ms: i64,
+    /// For a gate opening: how long the pod waited.
+    pub waited_ms: Option<i64>,
+    /// The Enforce policies whose votes made the verdict.
+    pub policies: Vec<ObjectKey>,
 }
 
 impl PodPatch {
@@ -78,154 +81,74 @@ impl PodPatch {
             "status": {"conditions": [{
                 "type": GATE_CONDITION,
                 "status": if self.attached { "True" } else { "False" },
-                "reason": self.reason,
-                "message": self.message,
+                "reason": self.reason.as_str(),
+                "message": crate::events::truncate(&self.message),
                 "lastTransitionTime": rfc3339(self.transition_ms),
             }]},
         })
     }
+
+    /// The Event that tells of this flip, on the pod.
+    pub fn event(&self) -> EventSpec {
+        let (warning, reason) = match self.reason {
+            _ if !self.attached => (false, "GateClosed"),
+            r if r.failed_open() => (true, "GateFailedOpen"),
+            _ => (false, "GateOpened"),
+        };
+        EventSpec { warning, reason: reason.into(), action: "GatePod", note: crate::events::truncate(&self.message) }
+    }
 }
 
-/// Everything the gate decided in one pass.
+/// What the gate reports for one policy, and what it asks of the policy's Deployments.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
-    pub pod_patches: Vec<PodPatch>,
-    /// Strategic merge patches for Deployments, by name.
-    pub strategy_patches: Vec<(String, Value)>,
+pub struct Report {
     pub consumers_attached: Check,
     pub rollout_safe: Check,
     pub consumers: ConsumersObservation,
     pub rollout: RolloutObservation,
+    /// Strategic merge patches for Deployments, by name.
+    pub strategy_patches: Vec<(String, Value)>,
     pub events: Vec<EventSpec>,
-    /// When a pass is due because time alone changes a verdict (minAttachedSeconds elapsing,
-    /// attachTimeout running out).
+    /// When a look is due because time alone changes what status says.
     pub recheck_after: Option<Duration>,
-    /// How long each gate this pass opens was closed (for the gate wait metric).
-    pub opened_after: Vec<Duration>,
 }
 
-pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
-    let now = seen.now_ms;
+/// One policy's report from its view. `previous` is the rollout phase its status shows now.
+pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>, now: i64) -> Report {
     let enforce = plan.mode == GateMode::Enforce;
-    let observe_note = if enforce { "" } else { " (mode Observe: not applied)" };
-    let on_queue: Vec<Consumer> = seen.consumers.iter().filter(|c| &c.queue == seen.queue).cloned().collect();
-    let matching = pods::match_consumers(seen.pods, &on_queue, plan.match_by);
-    let live = seen.tracking.is_live();
     let timeout_ms = plan.attach_timeout.as_millis() as i64;
-    let min_ms = plan.min_attached_for.as_millis() as i64;
-
-    let mut pod_patches = Vec::new();
-    let mut opened_after = Vec::new();
     let mut events = Vec::new();
-    let mut recheck: Option<i64> = None;
-    let mut soon = |at_ms: i64| {
-        if at_ms > now {
-            recheck = Some(recheck.map_or(at_ms, |r| r.min(at_ms)));
+    let mut due: Option<i64> = None;
+    let mut soon = |at: i64| {
+        if at > now {
+            due = Some(due.map_or(at, |d| d.min(at)));
         }
     };
     let mut attachments = Vec::new();
     let mut waiting = Vec::new();
-    let mut attached_pods = 0;
     let mut without_gate = Vec::new();
-
-    for pod in seen.pods.iter().filter(|p| !p.deleting) {
-        let mine = matching.by_pod.get(&pod.name).map(Vec::as_slice).unwrap_or_default();
-        let attached_since = mine.iter().map(|c| c.since_ms).min();
-        let current = pod.condition.as_ref();
-        let currently_open = current.is_some_and(|c| c.status);
-        // A pod waits for its consumer from when its containers became ready, or from when its
-        // gate last closed (a consumer that left), whichever is later.
-        let wait_start = pod.containers_ready_since_ms.map(|ready| match current {
-            Some(c) if c.status => now,
-            Some(c) => ready.max(c.since_ms),
-            None => ready,
-        });
-        let timed_out = plan.failure_policy == FailurePolicy::Open && wait_start.is_some_and(|w| now - w >= timeout_ms);
-        if plan.failure_policy == FailurePolicy::Open
-            && let Some(start) = wait_start
-        {
-            soon(start + timeout_ms);
+    for pod in &view.pods {
+        if let Some(at) = pod.due_ms {
+            soon(at);
         }
-
-        let desired: Option<(bool, &'static str, String)> = if !live {
-            // failurePolicy Closed, or not yet timed out: what cannot be seen is not changed.
-            (timed_out && !currently_open).then(|| {
-                let why = tracking_label(seen.tracking);
-                (
-                    true,
-                    reason::UNREACHABLE_OPEN,
-                    format!("consumers cannot be seen ({why}); opened after attachTimeout by failurePolicy Open"),
-                )
-            })
-        } else if let Some(since) = attached_since {
-            let first = &mine[0];
-            let who = format!("consumer '{}' from {}", first.tag, first.peer_host.as_deref().unwrap_or("?"));
-            if currently_open || now - since >= min_ms {
-                Some((true, reason::ATTACHED, format!("{who} attached since {}", rfc3339(since))))
-            } else {
-                soon(since + min_ms);
-                Some((
-                    false,
-                    reason::TOO_RECENT,
-                    format!("{who} attached at {}; counts after {}s", rfc3339(since), min_ms / 1000),
-                ))
-            }
-        } else if timed_out {
-            Some((
-                true,
-                reason::TIMEOUT_OPEN,
-                format!(
-                    "no consumer attached within attachTimeout {}s; opened by failurePolicy Open",
-                    timeout_ms / 1000
-                ),
-            ))
-        } else {
-            Some((false, reason::NO_CONSUMER, "waiting for a consumer from this pod on the queue".into()))
-        };
-
-        let open_after = desired.as_ref().map_or(currently_open, |d| d.0);
-        if pod.has_gate {
-            if let Some((status, why, message)) = desired {
-                let changed = current.is_none_or(|c| c.status != status || c.reason != why);
-                if changed {
-                    let transition_ms = match current {
-                        Some(c) if c.status == status => c.since_ms,
-                        _ => now,
-                    };
-                    let patch = PodPatch {
-                        pod: pod.name.clone(),
-                        uid: pod.uid.clone(),
-                        attached: status,
-                        reason: why,
-                        message,
-                        transition_ms,
-                    };
-                    events.push(pod_event(&patch, observe_note));
-                    pod_patches.push(patch);
-                    if status && !currently_open {
-                        let waited = wait_start.map_or(0, |start| (now - start).max(0));
-                        opened_after.push(Duration::from_millis(waited as u64));
-                    }
-                }
-            }
-            if let Some(start) = wait_start.filter(|_| !open_after) {
-                waiting.push(WaitingPod { name: pod.name.clone(), since: Some(time(start)) });
-                soon(start + timeout_ms);
-            }
-        } else {
+        if !pod.has_gate {
             without_gate.push(pod.name.clone());
         }
-        let counts = attached_since.is_some_and(|since| currently_open || now - since >= min_ms);
-        if counts {
-            attached_pods += 1;
+        if let Some(since) = pod.waiting_since {
+            soon(since + timeout_ms);
+            waiting.push(WaitingPod {
+                name: pod.name.clone(),
+                since: Some(time(since)),
+                waiting_for: pod.waiting_for.clone(),
+            });
         }
         attachments.push(PodAttachment {
             name: pod.name.clone(),
-            attached: attached_since.is_some(),
-            since: attached_since.map(time),
+            attached: pod.attached_since.is_some(),
+            since: pod.attached_since.map(time),
             gate: if !pod.has_gate {
                 "NotInstalled"
-            } else if open_after {
+            } else if pod.open {
                 "Open"
             } else {
                 "Closed"
@@ -233,13 +156,13 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
             .into(),
         });
     }
-
-    let expected: i32 = seen.deployments.iter().map(strategy::replicas).sum();
-    let consumers_attached = consumers_check(plan, seen, attached_pods, expected, &matching);
+    let attached = view.pods.iter().filter(|p| p.counts).count() as i32;
+    let expected: i32 = view.deployments.iter().map(|d| strategy::replicas(d)).sum();
+    let consumers_attached = consumers_check(plan, view, attached, expected);
 
     let mut strategy_patches = Vec::new();
     let mut unsafe_reasons = Vec::new();
-    for d in seen.deployments {
+    for d in &view.deployments {
         let name = d.metadata.name.clone().unwrap_or_default();
         match strategy::judge(d, plan.min_attached) {
             strategy::Verdict::Safe { .. } => {}
@@ -256,7 +179,7 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
             strategy::Verdict::Invalid(e) => unsafe_reasons.push(format!("Deployment '{name}': {e}")),
         }
     }
-    let rollout_safe = if seen.deployments.is_empty() {
+    let rollout_safe = if view.deployments.is_empty() {
         Check::failed(Reason::DeploymentNotFound, describe_missing(&plan.consumers))
     } else if !unsafe_reasons.is_empty() {
         let fix = if plan.manage_strategy { "" } else { " (set gate.manageStrategy: true to let queueguard fix it)" };
@@ -265,8 +188,9 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         Check::failed(
             Reason::GateNotInstalled,
             format!(
-                "pods {} have no readinessGates entry {GATE_CONDITION}; add it to the Deployment's pod template (or enable the webhook), else rollouts are not gated",
-                without_gate.join(", ")
+                "pods {} have no readinessGates entry {GATE_CONDITION}; add it to the Deployment's pod template (or enable the webhook and label the namespace {}), else rollouts are not gated",
+                without_gate.join(", "),
+                crate::webhook::NAMESPACE_LABEL_TEXT,
             ),
         )
     } else if !strategy_patches.is_empty() {
@@ -281,17 +205,17 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         )
     };
 
-    let progressing = seen.deployments.iter().any(rolling_out);
-    let phase = if waiting.iter().any(|w| w.since.as_ref().is_some_and(|s| now - s.0.as_millisecond() >= timeout_ms)) {
-        "Stalled"
+    let stalled = waiting.iter().any(|w| w.since.as_ref().is_some_and(|s| now - s.0.as_millisecond() >= timeout_ms));
+    let phase = if stalled {
+        RolloutPhase::Stalled
     } else if !waiting.is_empty() {
-        "WaitingForAttach"
-    } else if progressing {
-        "Progressing"
+        RolloutPhase::WaitingForAttach
+    } else if view.deployments.iter().any(|d| rolling_out(d)) {
+        RolloutPhase::Progressing
     } else {
-        "Idle"
+        RolloutPhase::Idle
     };
-    if phase == "Stalled" {
+    if phase == RolloutPhase::Stalled && previous != Some(RolloutPhase::Stalled) {
         events.push(EventSpec {
             warning: true,
             reason: "RolloutStalled".into(),
@@ -304,47 +228,48 @@ pub fn decide(plan: &GatePlan, seen: &Observed) -> Decision {
         });
     }
 
-    Decision {
-        pod_patches,
-        strategy_patches,
+    Report {
         consumers_attached,
         rollout_safe,
         consumers: ConsumersObservation {
-            attached: attached_pods,
+            attached,
             expected,
-            tracking: tracking_label(seen.tracking),
-            unmatched: matching.unmatched.len() as i32,
+            tracking: view.tracking.to_string(),
+            unmatched: view.unmatched as i32,
             pods: attachments,
         },
-        rollout: RolloutObservation { phase: phase.into(), waiting_pods: waiting },
+        rollout: RolloutObservation { phase, waiting_pods: waiting },
+        strategy_patches,
         events,
-        recheck_after: recheck.map(|at| Duration::from_millis((at - now) as u64)),
-        opened_after,
+        recheck_after: due.map(|at| Duration::from_millis((at - now) as u64)),
     }
 }
 
-fn consumers_check(plan: &GatePlan, seen: &Observed, attached: i32, expected: i32, m: &pods::Matching) -> Check {
-    if !seen.tracking.is_live() {
-        return Check::unknown(
-            Reason::BrokerUnreachable,
-            format!("consumers cannot be seen: {}", tracking_label(seen.tracking)),
-        );
+fn consumers_check(plan: &GatePlan, view: &PolicyView, attached: i32, expected: i32) -> Check {
+    if !view.tracking.is_live() {
+        return Check::unknown(Reason::BrokerUnreachable, format!("consumers cannot be seen: {}", view.tracking));
     }
     let mut msg = format!("{attached} of {expected} consumer pods attached (minAttached {})", plan.min_attached);
-    if !m.unmatched.is_empty() {
+    if view.unmatched > 0 {
         let hint = match plan.match_by {
             MatchBy::PodIp => "; if the broker sees NAT addresses, set consumers.matchBy: ConnectionName",
             MatchBy::ConnectionName => "; their connection names contain no consumer pod's name",
         };
-        msg.push_str(&format!("; {} consumers match no pod{hint}", m.unmatched.len()));
+        msg.push_str(&format!("; {} consumers match no pod{hint}", view.unmatched));
     }
-    if !m.ambiguous_ips.is_empty() {
+    if view.stale > 0 {
         msg.push_str(&format!(
-            "; pods share IPs {} (hostNetwork?): use consumers.matchBy: ConnectionName",
-            m.ambiguous_ips.join(", ")
+            "; {} consumers connected before their pod had its address (a stale connection of a reused IP) do not count",
+            view.stale
         ));
     }
-    if let Tracking::Polling(why) = seen.tracking {
+    if !view.ambiguous_ips.is_empty() {
+        msg.push_str(&format!(
+            "; pods share IPs {} (hostNetwork?): use consumers.matchBy: ConnectionName",
+            view.ambiguous_ips.join(", ")
+        ));
+    }
+    if let Tracking::Polling(why) = &view.tracking {
         msg.push_str(&format!("; polling the management API ({why})"));
     }
     if expected == 0 {
@@ -372,29 +297,6 @@ fn rolling_out(d: &Deployment) -> bool {
     let updated = status.and_then(|s| s.updated_replicas).unwrap_or(0);
     let total = status.and_then(|s| s.replicas).unwrap_or(0);
     !generation_seen || updated < want || total > want
-}
-
-fn pod_event(p: &PodPatch, observe_note: &str) -> EventSpec {
-    let (warning, reason) = match p.reason {
-        reason::ATTACHED => (false, "GateOpened"),
-        reason::TIMEOUT_OPEN | reason::UNREACHABLE_OPEN => (true, "GateFailedOpen"),
-        _ => (false, "GateClosed"),
-    };
-    EventSpec {
-        warning,
-        reason: reason.into(),
-        action: "GatePod",
-        note: format!("pod {}: {}{observe_note}", p.pod, p.message),
-    }
-}
-
-pub fn tracking_label(t: &Tracking) -> String {
-    match t {
-        Tracking::Events => "Events".into(),
-        Tracking::Polling(why) => format!("Polling ({why})"),
-        Tracking::Unavailable(why) => format!("Unavailable ({why})"),
-        Tracking::Starting => "Starting".into(),
-    }
 }
 
 fn time(ms: i64) -> Time {

@@ -1,6 +1,8 @@
 //! The PodDisruptionBudget that keeps node drains (which are not rollouts) from taking the
-//! consumers below minAttached.
+//! consumers below minAttached: one per Deployment, however many policies guard it.
 
+use super::index::BUDGET_DEPLOYMENT;
+use crate::crd::API_VERSION;
 use k8s_openapi::{
     api::{apps::v1::Deployment, policy::v1::PodDisruptionBudget},
     apimachinery::pkg::{
@@ -10,31 +12,43 @@ use k8s_openapi::{
 };
 use std::collections::BTreeMap;
 
-/// Label on every PDB the operator owns; its owner reference names the QueuePolicy.
+/// Label on every PDB the operator keeps.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "queueguard");
 
-/// The PDB name for a policy and one of its Deployments (a DNS subdomain, at most 253 chars).
-pub fn name(policy: &str, deployment: &str) -> String {
-    let mut name = format!("{policy}-{deployment}");
-    name.truncate(253);
-    name.trim_end_matches(['-', '.']).to_owned()
+/// The PDB name for a Deployment (a DNS subdomain, at most 253 chars).
+pub fn name(deployment: &str) -> String {
+    let mut name = format!("{deployment}-queueguard");
+    if name.len() > 253 {
+        name = format!("{}-queueguard", &deployment[..242]);
+    }
+    name
 }
 
-/// `minAvailable: minAttached` over the Deployment's pods, owned by the QueuePolicy.
-pub fn desired(
-    policy: &str,
-    owner: OwnerReference,
-    deployment: &Deployment,
-    min_attached: i32,
-) -> Option<PodDisruptionBudget> {
+/// `minAvailable: min_attached` over the Deployment's pods, owned by every policy guarding it
+/// (`owners`: name and uid), so the garbage collector removes it only once all of them are gone.
+pub fn desired(deployment: &Deployment, owners: &[(String, String)], min_attached: i32) -> Option<PodDisruptionBudget> {
     let selector = deployment.spec.as_ref()?.selector.clone();
     let deployment_name = deployment.metadata.name.as_deref()?;
+    let mut owners: Vec<OwnerReference> = owners
+        .iter()
+        .map(|(name, uid)| OwnerReference {
+            api_version: API_VERSION.into(),
+            kind: "QueuePolicy".into(),
+            name: name.clone(),
+            uid: uid.clone(),
+            ..Default::default()
+        })
+        .collect();
+    owners.sort_by(|a, b| a.name.cmp(&b.name));
     Some(PodDisruptionBudget {
         metadata: ObjectMeta {
-            name: Some(name(policy, deployment_name)),
+            name: Some(name(deployment_name)),
             namespace: deployment.metadata.namespace.clone(),
-            labels: Some(BTreeMap::from([(MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned())])),
-            owner_references: Some(vec![owner]),
+            labels: Some(BTreeMap::from([
+                (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
+                (BUDGET_DEPLOYMENT.to_owned(), deployment_name.to_owned()),
+            ])),
+            owner_references: Some(owners),
             ..Default::default()
         },
         spec: Some(k8s_openapi::api::policy::v1::PodDisruptionBudgetSpec {
@@ -46,42 +60,63 @@ pub fn desired(
     })
 }
 
+/// Whether `existing` already says what `want` says (so no write is needed).
+pub fn same(existing: &PodDisruptionBudget, want: &PodDisruptionBudget) -> bool {
+    let labels_kept = want
+        .metadata
+        .labels
+        .iter()
+        .flatten()
+        .all(|(k, v)| existing.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v));
+    let uids = |b: &PodDisruptionBudget| {
+        let mut u: Vec<String> = b.metadata.owner_references.iter().flatten().map(|o| o.uid.clone()).collect();
+        u.sort();
+        u
+    };
+    let spec = |b: &PodDisruptionBudget| b.spec.as_ref().map(|s| (s.min_available.clone(), s.selector.clone()));
+    labels_kept && uids(existing) == uids(want) && spec(existing) == spec(want)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use k8s_openapi::{api::apps::v1::DeploymentSpec, apimachinery::pkg::apis::meta::v1::LabelSelector};
 
-    #[test]
-    fn pdb_selects_the_deployments_pods_and_is_owned_by_the_policy() {
+    fn worker() -> Deployment {
         let selector = LabelSelector {
             match_labels: Some(BTreeMap::from([("app".into(), "worker".into())])),
             ..Default::default()
         };
-        let d = Deployment {
+        Deployment {
             metadata: ObjectMeta { name: Some("worker".into()), namespace: Some("shop".into()), ..Default::default() },
-            spec: Some(DeploymentSpec { selector: selector.clone(), ..Default::default() }),
+            spec: Some(DeploymentSpec { selector, ..Default::default() }),
             ..Default::default()
-        };
-        let owner = OwnerReference {
-            name: "orders".into(),
-            kind: "QueuePolicy".into(),
-            controller: Some(true),
-            ..Default::default()
-        };
-        let pdb = desired("orders", owner, &d, 2).unwrap();
-        assert_eq!(pdb.metadata.name.as_deref(), Some("orders-worker"));
+        }
+    }
+
+    #[test]
+    fn one_budget_per_deployment_owned_by_every_guarding_policy() {
+        let owners = [("orders".to_owned(), "u1".to_owned()), ("events".to_owned(), "u2".to_owned())];
+        let pdb = desired(&worker(), &owners, 2).unwrap();
+        assert_eq!(pdb.metadata.name.as_deref(), Some("worker-queueguard"));
         assert_eq!(pdb.metadata.namespace.as_deref(), Some("shop"));
-        assert_eq!(pdb.metadata.labels.as_ref().unwrap()[MANAGED_BY.0], MANAGED_BY.1);
-        let spec = pdb.spec.unwrap();
+        let labels = pdb.metadata.labels.as_ref().unwrap();
+        assert_eq!((labels[MANAGED_BY.0].as_str(), labels[BUDGET_DEPLOYMENT].as_str()), (MANAGED_BY.1, "worker"));
+        let spec = pdb.spec.as_ref().unwrap();
         assert_eq!(spec.min_available, Some(IntOrString::Int(2)));
-        assert_eq!(spec.selector, Some(selector));
-        assert_eq!(pdb.metadata.owner_references.unwrap()[0].kind, "QueuePolicy");
+        assert_eq!(spec.selector, worker().spec.map(|s| s.selector));
+        let refs = pdb.metadata.owner_references.as_ref().unwrap();
+        assert_eq!(refs.iter().map(|o| o.name.as_str()).collect::<Vec<_>>(), ["events", "orders"]);
+        assert!(refs.iter().all(|o| o.kind == "QueuePolicy" && o.controller.is_none()), "no single controller");
+        assert!(same(&pdb, &pdb));
+        let fewer = desired(&worker(), &owners[..1], 2).unwrap();
+        assert!(!same(&pdb, &fewer));
+        assert!(!same(&pdb, &desired(&worker(), &owners, 1).unwrap()));
     }
 
     #[test]
     fn names_fit_a_dns_subdomain() {
-        let long = name(&"p".repeat(200), &"d".repeat(100));
-        assert_eq!(long.len(), 253);
-        assert_eq!(name("a", "b"), "a-b");
+        assert_eq!(name(&"d".repeat(253)).len(), 253);
+        assert_eq!(name("a"), "a-queueguard");
     }
 }

@@ -1,12 +1,13 @@
-//! Pods and their consumers: which consumer belongs to which pod, and what the pod's
-//! `queueguard.io/consumer-attached` condition should say.
+//! Pods and their consumers: what the gate needs to know of a pod, and which consumer is whose.
 
+use super::{GATE_CONDITION, guards::deployment_of};
 use crate::{consumers::Consumer, crd::MatchBy};
-use k8s_openapi::api::core::v1::Pod;
-use std::collections::{BTreeMap, HashMap};
+use k8s_openapi::{api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::Time};
 
-/// The readiness gate (and pod condition type) the operator owns.
-pub const GATE_CONDITION: &str = "queueguard.io/consumer-attached";
+/// Broker and Kubernetes clocks differ; a consumer whose connection opened up to this long
+/// before its pod got its address still counts as the pod's. A stale connection left by an
+/// earlier holder of a reused address is older by that pod's whole life.
+pub const CLOCK_SKEW_MS: i64 = 1_000;
 
 /// The gate condition as it stands on a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,23 +20,29 @@ pub struct GateCondition {
 /// What the gate needs to know about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodFacts {
+    pub namespace: String,
     pub name: String,
     pub uid: String,
+    /// The Deployment it belongs to (through its ReplicaSet), if any.
+    pub deployment: Option<String>,
     pub ips: Vec<String>,
+    /// When the pod got its address: its startTime, else when the operator first saw an IP on it
+    /// (set by the index). A consumer connected earlier belongs to a former holder of the IP.
+    pub ip_since_ms: Option<i64>,
     pub has_gate: bool,
     pub condition: Option<GateCondition>,
     /// When its containers last became ready; None while they are not.
     pub containers_ready_since_ms: Option<i64>,
     pub deleting: bool,
+    /// Failed or Succeeded: it holds no address any more.
+    pub terminal: bool,
 }
 
 impl PodFacts {
     pub fn from_pod(pod: &Pod) -> Self {
         let status = pod.status.as_ref();
         let conditions = status.and_then(|s| s.conditions.as_deref()).unwrap_or_default();
-        let ms = |t: &Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
-            t.as_ref().map_or(0, |t| t.0.as_millisecond())
-        };
+        let ms = |t: &Option<Time>| t.as_ref().map_or(0, |t| t.0.as_millisecond());
         let condition = conditions.iter().find(|c| c.type_ == GATE_CONDITION).map(|c| GateCondition {
             status: c.status == "True",
             reason: c.reason.clone().unwrap_or_default(),
@@ -54,9 +61,13 @@ impl PodFacts {
         {
             ips.insert(0, ip);
         }
+        let phase = status.and_then(|s| s.phase.as_deref());
         Self {
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
             name: pod.metadata.name.clone().unwrap_or_default(),
             uid: pod.metadata.uid.clone().unwrap_or_default(),
+            deployment: deployment_of(pod),
+            ip_since_ms: status.and_then(|s| s.start_time.as_ref()).map(|t| t.0.as_millisecond()),
             ips,
             has_gate: pod
                 .spec
@@ -66,59 +77,49 @@ impl PodFacts {
             condition,
             containers_ready_since_ms,
             deleting: pod.metadata.deletion_timestamp.is_some(),
+            terminal: matches!(phase, Some("Failed" | "Succeeded")),
         }
+    }
+
+    /// Whether the gate condition is True on the pod now.
+    pub fn is_open(&self) -> bool {
+        self.condition.as_ref().is_some_and(|c| c.status)
     }
 }
 
-/// Consumers sorted out by pod.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Matching {
-    pub by_pod: BTreeMap<String, Vec<Consumer>>,
-    /// Consumers that belong to no pod (another client, or a NAT address).
-    pub unmatched: Vec<Consumer>,
-    /// IPs shared by several pods (hostNetwork): consumers from them cannot be attributed.
-    pub ambiguous_ips: Vec<String>,
+/// Whose a consumer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ownership {
+    /// The pod's own.
+    Owned,
+    /// From the pod's address or name, but connected before the pod had that address: a stale
+    /// connection of an earlier holder. It never counts.
+    Stale,
+    /// Not this pod's.
+    Foreign,
 }
 
-/// Attributes consumers to pods by peer IP or by the pod name inside the connection name.
-pub fn match_consumers(pods: &[PodFacts], consumers: &[Consumer], by: MatchBy) -> Matching {
-    let mut m = Matching::default();
-    let mut owners: HashMap<&str, Vec<&str>> = HashMap::new();
-    for pod in pods {
-        for ip in &pod.ips {
-            owners.entry(ip.as_str()).or_default().push(pod.name.as_str());
+/// Whether `consumer` is `pod`'s: by peer IP (unless `ambiguous` says the IP is shared) or by
+/// the pod name as a token of the connection name, and never from before the pod's address.
+pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: impl Fn(&str) -> bool) -> Ownership {
+    let matches = match by {
+        MatchBy::PodIp => {
+            consumer.peer_host.as_deref().is_some_and(|ip| pod.ips.iter().any(|p| p == ip) && !ambiguous(ip))
         }
+        MatchBy::ConnectionName => consumer.connection_name.as_deref().is_some_and(|n| contains_token(n, &pod.name)),
+    };
+    if !matches {
+        return Ownership::Foreign;
     }
-    let mut ambiguous: Vec<String> = owners.iter().filter(|(_, p)| p.len() > 1).map(|(ip, _)| ip.to_string()).collect();
-    ambiguous.sort();
-    for consumer in consumers {
-        let owner = match by {
-            MatchBy::PodIp => consumer
-                .peer_host
-                .as_deref()
-                .and_then(|ip| owners.get(ip))
-                .filter(|p| p.len() == 1)
-                .map(|p| p[0].to_owned()),
-            MatchBy::ConnectionName => consumer
-                .connection_name
-                .as_deref()
-                .and_then(|name| pods.iter().find(|p| contains_token(name, &p.name)))
-                .map(|p| p.name.clone()),
-        };
-        match owner {
-            Some(pod) => m.by_pod.entry(pod).or_default().push(consumer.clone()),
-            None => m.unmatched.push(consumer.clone()),
-        }
+    match pod.ip_since_ms {
+        Some(since) if consumer.connected_by_ms() + CLOCK_SKEW_MS < since => Ownership::Stale,
+        _ => Ownership::Owned,
     }
-    if by == MatchBy::PodIp {
-        m.ambiguous_ips = ambiguous;
-    }
-    m
 }
 
 /// `name` appears in `haystack` as a whole token: `worker-7d9c-x2` is in `app/worker-7d9c-x2:1`
 /// but not in `worker-7d9c-x2b`.
-fn contains_token(haystack: &str, name: &str) -> bool {
+pub fn contains_token(haystack: &str, name: &str) -> bool {
     let is_name_char = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.';
     haystack.match_indices(name).any(|(i, _)| {
         let before = haystack[..i].chars().next_back();
@@ -131,71 +132,90 @@ fn contains_token(haystack: &str, name: &str) -> bool {
 mod tests {
     use super::*;
     use crate::consumers::QueueKey;
-    use k8s_openapi::api::core::v1::{PodCondition, PodIP, PodReadinessGate, PodSpec, PodStatus};
+    use k8s_openapi::{
+        api::core::v1::{PodCondition, PodIP, PodReadinessGate, PodSpec, PodStatus},
+        apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
+        jiff::Timestamp,
+    };
 
-    pub fn pod(name: &str, ip: Option<&str>) -> PodFacts {
+    fn pod(name: &str, ip: &str, since: i64) -> PodFacts {
         PodFacts {
+            namespace: "shop".into(),
             name: name.into(),
             uid: format!("uid-{name}"),
-            ips: ip.map(|i| vec![i.to_owned()]).unwrap_or_default(),
+            deployment: Some("worker".into()),
+            ips: vec![ip.into()],
+            ip_since_ms: Some(since),
             has_gate: true,
             condition: None,
-            containers_ready_since_ms: Some(0),
+            containers_ready_since_ms: Some(since),
             deleting: false,
+            terminal: false,
         }
     }
 
-    pub fn consumer(peer: Option<&str>, connection: Option<&str>) -> Consumer {
+    fn consumer(peer: &str, connection: Option<&str>, connected: i64) -> Consumer {
         Consumer {
             queue: QueueKey::new("/", "orders"),
-            tag: format!("tag-{}", peer.or(connection).unwrap_or("x")),
-            channel: "c".into(),
-            peer_host: peer.map(Into::into),
+            tag: "t".into(),
+            channel: format!("{peer}:4000 -> 10.9.9.9:5672 (1)"),
+            peer_host: Some(peer.into()),
             connection_name: connection.map(Into::into),
             prefetch: 10,
             ack_required: true,
-            since_ms: 0,
+            since_ms: connected + 50,
+            connected_ms: Some(connected),
         }
     }
 
     #[test]
-    fn matches_by_pod_ip() {
-        let pods = [pod("a", Some("10.0.0.1")), pod("b", Some("10.0.0.2")), pod("pending", None)];
-        let consumers = [consumer(Some("10.0.0.2"), None), consumer(Some("192.168.1.1"), None), consumer(None, None)];
-        let m = match_consumers(&pods, &consumers, MatchBy::PodIp);
-        assert_eq!(m.by_pod.keys().collect::<Vec<_>>(), ["b"]);
-        assert_eq!(m.unmatched.len(), 2, "a NAT'd peer and a consumer without a peer match no pod");
-        assert!(m.ambiguous_ips.is_empty());
+    fn owned_by_ip_unless_shared_or_older_than_the_pods_address() {
+        let p = pod("w-1", "10.0.0.1", 10_000);
+        let none = |_: &str| false;
+        assert_eq!(ownership(&p, &consumer("10.0.0.1", None, 10_500), MatchBy::PodIp, none), Ownership::Owned);
+        assert_eq!(ownership(&p, &consumer("10.0.0.2", None, 10_500), MatchBy::PodIp, none), Ownership::Foreign);
+        assert_eq!(ownership(&p, &consumer("10.0.0.1", None, 10_500), MatchBy::PodIp, |_| true), Ownership::Foreign);
+        assert_eq!(
+            ownership(&p, &consumer("10.0.0.1", None, 2_000), MatchBy::PodIp, none),
+            Ownership::Stale,
+            "a connection from before the pod had the address: a reused IP"
+        );
+        assert_eq!(
+            ownership(&p, &consumer("10.0.0.1", None, 10_000 - CLOCK_SKEW_MS), MatchBy::PodIp, none),
+            Ownership::Owned,
+            "within the clock skew allowance"
+        );
+        let mut unknown_start = p.clone();
+        unknown_start.ip_since_ms = None;
+        assert_eq!(
+            ownership(&unknown_start, &consumer("10.0.0.1", None, 2_000), MatchBy::PodIp, none),
+            Ownership::Owned
+        );
     }
 
     #[test]
-    fn shared_ips_are_ambiguous_not_guessed() {
-        let pods = [pod("a", Some("10.0.0.9")), pod("b", Some("10.0.0.9"))];
-        let m = match_consumers(&pods, &[consumer(Some("10.0.0.9"), None)], MatchBy::PodIp);
-        assert!(m.by_pod.is_empty());
-        assert_eq!(m.ambiguous_ips, ["10.0.0.9"]);
-    }
-
-    #[test]
-    fn matches_by_connection_name_token() {
-        let pods = [pod("worker-7d9c-x2", Some("10.0.0.1")), pod("worker-7d9c-x2b", Some("10.0.0.2"))];
-        let consumers = [
-            consumer(Some("172.16.0.1"), Some("orders/worker-7d9c-x2b")),
-            consumer(Some("172.16.0.1"), Some("worker-7d9c-x2:consumer")),
-            consumer(Some("172.16.0.1"), Some("someone-else")),
-        ];
-        let m = match_consumers(&pods, &consumers, MatchBy::ConnectionName);
-        assert_eq!(m.by_pod["worker-7d9c-x2"].len(), 1);
-        assert_eq!(m.by_pod["worker-7d9c-x2b"].len(), 1);
-        assert_eq!(m.unmatched.len(), 1);
+    fn owned_by_connection_name_token() {
+        let p = pod("worker-7d9c-x2", "10.0.0.1", 0);
+        let by_name = |n: &str| ownership(&p, &consumer("172.16.0.1", Some(n), 100), MatchBy::ConnectionName, |_| true);
+        assert_eq!(by_name("worker-7d9c-x2:consumer"), Ownership::Owned);
+        assert_eq!(by_name("orders/worker-7d9c-x2b"), Ownership::Foreign);
+        assert_eq!(by_name("someone-else"), Ownership::Foreign);
     }
 
     #[test]
     fn facts_from_a_pod() {
+        let at = |ms| Some(Time(Timestamp::from_millisecond(ms).unwrap()));
         let p = Pod {
-            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            metadata: ObjectMeta {
                 name: Some("w-1".into()),
+                namespace: Some("shop".into()),
                 uid: Some("u1".into()),
+                labels: Some([("pod-template-hash".to_owned(), "abc".to_owned())].into()),
+                owner_references: Some(vec![OwnerReference {
+                    kind: "ReplicaSet".into(),
+                    name: "worker-abc".into(),
+                    ..Default::default()
+                }]),
                 ..Default::default()
             },
             spec: Some(PodSpec {
@@ -205,13 +225,13 @@ mod tests {
             status: Some(PodStatus {
                 pod_ip: Some("10.1.1.1".into()),
                 pod_ips: Some(vec![PodIP { ip: "10.1.1.1".into() }, PodIP { ip: "fd00::1".into() }]),
+                start_time: at(4_000),
+                phase: Some("Running".into()),
                 conditions: Some(vec![
                     PodCondition {
                         type_: "ContainersReady".into(),
                         status: "True".into(),
-                        last_transition_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                            k8s_openapi::jiff::Timestamp::from_millisecond(5_000).unwrap(),
-                        )),
+                        last_transition_time: at(5_000),
                         ..Default::default()
                     },
                     PodCondition {
@@ -225,11 +245,17 @@ mod tests {
             }),
         };
         let f = PodFacts::from_pod(&p);
+        assert_eq!((f.namespace.as_str(), f.deployment.as_deref()), ("shop", Some("worker")));
         assert_eq!(f.ips, ["10.1.1.1", "fd00::1"]);
-        assert!(f.has_gate && !f.deleting);
+        assert_eq!(f.ip_since_ms, Some(4_000));
+        assert!(f.has_gate && !f.deleting && !f.terminal && !f.is_open());
         assert_eq!(f.containers_ready_since_ms, Some(5_000));
         assert_eq!(f.condition.as_ref().map(|c| (c.status, c.reason.as_str())), Some((false, "NoConsumer")));
+        let mut failed = p.clone();
+        failed.status.as_mut().unwrap().phase = Some("Failed".into());
+        assert!(PodFacts::from_pod(&failed).terminal);
         let bare = PodFacts::from_pod(&Pod::default());
         assert!(!bare.has_gate && bare.ips.is_empty() && bare.containers_ready_since_ms.is_none());
+        assert_eq!(bare.deployment, None);
     }
 }

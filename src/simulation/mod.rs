@@ -1,7 +1,10 @@
 //! The rollout simulation behind `queueguard demo` and the rollout tests: a model of the
 //! Deployment controller ([`model`]) drives real AMQP consumer tasks against the real broker
 //! while a publisher sends numbered messages, and, in the guarded scenario, the operator's own
-//! tracker and gate decide each pod's readiness condition.
+//! tracker and gate index decide each pod's readiness condition.
+//!
+//! With several queues, every pod is one worker consuming all of them, each queue guarded by its
+//! own QueuePolicy: a pod is Ready only once it reads every one.
 //!
 //! Guarded: the queue is declared by queueguard (durable, expiry by policy), pods are Ready only
 //! once the gate opens, and the gate also makes the strategy safe. Naive, as in the source
@@ -16,10 +19,15 @@ pub use report::{Report, table};
 
 use crate::{
     broker::{BrokerPool, uri::BrokerUri},
-    consumers::{Change, QueueKey, tracker::now_ms},
+    consumers::{Change, Consumer, ConsumerTracker, QueueKey, Tracking, tracker::now_ms},
     converge::{self, Mode},
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy},
-    gate::{self, GatePlan, Observed, pods::PodFacts, strategy},
+    gate::{
+        self, GatePlan,
+        guards::Selects,
+        index::{Binding, Consumers, DeploymentFacts, GateIndex, ObjectKey, PolicyFacts},
+        strategy,
+    },
     plan::{self, Limits},
 };
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus, DeploymentStrategy};
@@ -42,6 +50,8 @@ pub struct Scenario {
     pub guarded: bool,
     pub replicas: usize,
     pub restarts: u32,
+    /// Queues each pod consumes, each guarded by its own policy.
+    pub queues: usize,
     pub seed: u64,
     /// Container start until the process is up (a naive pod reports Ready here), in ms.
     pub boot_ms: (u64, u64),
@@ -58,6 +68,7 @@ impl Scenario {
             guarded,
             replicas,
             restarts,
+            queues: 1,
             seed: 0x9e37_79b9_7f4a_7c15 ^ u64::from(restarts),
             boot_ms: (100, 300),
             attach_ms: (200, 600),
@@ -74,59 +85,51 @@ impl Scenario {
 const TICK: Duration = Duration::from_millis(10);
 const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(60);
 
+const NAMESPACE: &str = "queueguard-demo";
+const DEPLOYMENT: &str = "demo-consumer";
+
 /// Runs one scenario against the broker at `uri`.
 pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     let pool = BrokerPool::new("queueguard-demo");
-    let queue = format!(
+    let base = format!(
         "queueguard-demo.{}.{}.{:x}",
         if s.guarded { "guarded" } else { "naive" },
         std::process::id(),
         now_ms()
     );
-    let key = QueueKey::new(uri.vhost(), &queue);
+    let queues: Vec<String> =
+        if s.queues == 1 { vec![base] } else { (0..s.queues).map(|i| format!("{base}.q{i}")).collect() };
+    let keys: Vec<QueueKey> = queues.iter().map(|q| QueueKey::new(uri.vhost(), q)).collect();
     let tracker = pool.tracker(uri, None).map_err(|e| e.to_string())?;
-    if !tracker.wait_synced(Duration::from_secs(15)).await || !tracker.tracking().is_live() {
-        return Err(format!("cannot see the broker's consumers: {:?}", tracker.tracking()));
+    if !tracker.wait_synced(uri.vhost(), Duration::from_secs(15)).await || !tracker.tracking(uri.vhost()).is_live() {
+        return Err(format!("cannot see the broker's consumers: {}", tracker.tracking(uri.vhost())));
     }
-    tracker.watch_queue(key.clone());
+    for key in &keys {
+        tracker.watch_queue(key.clone());
+    }
     let mut changes = tracker.subscribe();
 
-    let guarded_plan = if s.guarded {
-        let policy = demo_policy(&queue);
-        let plan = plan::plan(&policy, Limits::default()).map_err(|e| plan::describe(&e))?;
+    let mut declared = Vec::new();
+    let guard = if s.guarded {
         let broker = pool.get(uri.clone(), None).map_err(|e| e.to_string())?;
-        let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
-        if !outcome.is_ready() {
-            return Err(format!("queueguard could not declare the queue: {}", outcome.ready().message));
+        for queue in &queues {
+            let plan = plan::plan(&demo_policy(queue), Limits::default()).map_err(|e| plan::describe(&e))?;
+            let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
+            if !outcome.is_ready() {
+                return Err(format!("queueguard could not declare the queue: {}", outcome.ready().message));
+            }
+            declared.push(plan);
         }
-        Some((plan, broker))
+        Some(Guard::new(s, &keys, tracker.clone()))
     } else {
         None
-    };
-    let gate_plan = GatePlan {
-        mode: GateMode::Enforce,
-        failure_policy: FailurePolicy::Closed,
-        attach_timeout: Duration::from_secs(60),
-        manage_strategy: true,
-        pod_disruption_budget: false,
-        min_attached: 1,
-        min_attached_for: s.min_attached,
-        // Every simulated pod connects from 127.0.0.1: tell them apart by connection name.
-        match_by: MatchBy::ConnectionName,
-        consumers: ConsumersSpec {
-            deployment: Some("demo-consumer".into()),
-            selector: None,
-            min_attached: 1,
-            min_attached_seconds: 0,
-            match_by: MatchBy::ConnectionName,
-        },
     };
 
     let mut sim = Sim {
         s: s.clone(),
         uri: uri.clone(),
-        queue: queue.clone(),
-        key: key.clone(),
+        queues: queues.clone(),
+        keys: keys.clone(),
         rng: Rng(s.seed),
         pods: Vec::new(),
         revision: 1,
@@ -135,34 +138,41 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         gate_waits: Vec::new(),
         gate_overheads: Vec::new(),
         premature: 0,
+        fewest: None,
+        guard,
+        tracker: tracker.clone(),
     };
 
     // First rollout, then publishing for the rest of the run.
-    sim.roll(if s.guarded { Some((&gate_plan, &*tracker)) } else { None }).await?;
+    sim.roll().await?;
+    sim.fewest = Some(vec![usize::MAX; keys.len()]);
     let published = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let publisher = tokio::spawn(publish(uri.clone(), queue.clone(), s.publish_every, published.clone(), stop.clone()));
+    let publisher =
+        tokio::spawn(publish(uri.clone(), queues.clone(), s.publish_every, published.clone(), stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut deletions = 0;
     for _ in 0..s.restarts {
         sim.revision += 1;
-        sim.roll(if s.guarded { Some((&gate_plan, &*tracker)) } else { None }).await?;
-        deletions += count_deletions(&mut changes, &key);
+        sim.roll().await?;
+        deletions += count_deletions(&mut changes, &keys);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     stop.store(true, Ordering::SeqCst);
     publisher.await.map_err(|e| e.to_string())??;
     let published = published.load(Ordering::SeqCst);
     sim.drain(published).await;
-    deletions += count_deletions(&mut changes, &key);
+    deletions += count_deletions(&mut changes, &keys);
 
     let (unique, deliveries) = sim.tally.counts();
     for pod in sim.pods.drain(..) {
         pod.stop_and_wait().await;
     }
-    if let Some((plan, broker)) = &guarded_plan {
-        // The demo's own queue: nothing left in it to lose.
-        let _ = converge::delete(plan, broker).await;
+    if let Some(broker) = declared.first().and_then(|_| pool.get(uri.clone(), None).ok()) {
+        // The demo's own queues: nothing left in them to lose.
+        for plan in &declared {
+            let _ = converge::delete(plan, &broker).await;
+        }
     }
     Ok(Report {
         scenario: s.label().into(),
@@ -172,16 +182,85 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         lost: published.saturating_sub(unique),
         duplicates: deliveries.saturating_sub(unique),
         queue_deletions: deletions,
+        fewest_consumers: sim
+            .fewest
+            .unwrap_or_default()
+            .into_iter()
+            .map(|n| if n == usize::MAX { 0 } else { n })
+            .collect(),
         longest_gate_wait: sim.gate_waits.iter().max().copied(),
         gate_overheads: sim.gate_overheads.clone(),
         premature_opens: sim.premature,
     })
 }
 
-fn count_deletions(changes: &mut tokio::sync::broadcast::Receiver<Change>, key: &QueueKey) -> u64 {
+/// The operator's gate for the simulated Deployment: its index with one policy per queue.
+struct Guard {
+    index: GateIndex,
+    plan: GatePlan,
+    first: ObjectKey,
+}
+
+impl Guard {
+    fn new(s: &Scenario, keys: &[QueueKey], tracker: Arc<ConsumerTracker>) -> Self {
+        let plan = GatePlan {
+            mode: GateMode::Enforce,
+            failure_policy: FailurePolicy::Closed,
+            attach_timeout: Duration::from_secs(60),
+            manage_strategy: true,
+            pod_disruption_budget: false,
+            min_attached: 1,
+            min_attached_for: s.min_attached,
+            // Every simulated pod connects from 127.0.0.1: tell them apart by connection name.
+            match_by: MatchBy::ConnectionName,
+            consumers: ConsumersSpec {
+                deployment: Some(DEPLOYMENT.into()),
+                selector: None,
+                min_attached: 1,
+                min_attached_seconds: 0,
+                match_by: MatchBy::ConnectionName,
+            },
+        };
+        let mut index = GateIndex::default();
+        let policies: Vec<PolicyFacts> = (0..keys.len())
+            .map(|i| PolicyFacts {
+                key: ObjectKey::new(NAMESPACE, format!("demo-{i}")),
+                uid: format!("demo-{i}"),
+                selects: Selects::Name(DEPLOYMENT.into()),
+                plan: Ok(plan.clone()),
+                deleting: false,
+            })
+            .collect();
+        let first = policies[0].key.clone();
+        let names: Vec<ObjectKey> = policies.iter().map(|p| p.key.clone()).collect();
+        index.replace_policies(policies);
+        for (name, queue) in names.iter().zip(keys) {
+            index.bind(name, Ok(Binding { source: tracker.id(), queue: queue.clone() }));
+        }
+        index.replace_budgets(vec![]);
+        index.replace_deployments(vec![]);
+        index.replace_pods(vec![], now_ms());
+        Self { index, plan, first }
+    }
+}
+
+/// The one tracker of the simulation, as the index reads consumers.
+struct OneTracker<'a>(&'a ConsumerTracker);
+
+impl Consumers for OneTracker<'_> {
+    fn consumers_on(&self, _: u64, queue: &QueueKey) -> Vec<Consumer> {
+        self.0.consumers_on(queue)
+    }
+
+    fn tracking(&self, _: u64, vhost: &str) -> Tracking {
+        self.0.tracking(vhost)
+    }
+}
+
+fn count_deletions(changes: &mut tokio::sync::broadcast::Receiver<Change>, keys: &[QueueKey]) -> u64 {
     let mut n = 0;
     while let Ok(change) = changes.try_recv() {
-        if matches!(&change, Change::QueueDeleted { queue } if queue == key) {
+        if matches!(&change, Change::QueueDeleted { queue } if keys.contains(queue)) {
             n += 1;
         }
     }
@@ -198,8 +277,8 @@ fn demo_policy(queue: &str) -> crate::crd::QueuePolicy {
 struct Sim {
     s: Scenario,
     uri: BrokerUri,
-    queue: String,
-    key: QueueKey,
+    queues: Vec<String>,
+    keys: Vec<QueueKey>,
     rng: Rng,
     pods: Vec<PodHandle>,
     revision: u32,
@@ -210,6 +289,10 @@ struct Sim {
     /// Per opened gate: from its consumer attaching to the gate opening.
     gate_overheads: Vec<Duration>,
     premature: u64,
+    /// Per queue, the fewest consumers seen attached while the restarts ran.
+    fewest: Option<Vec<usize>>,
+    guard: Option<Guard>,
+    tracker: Arc<ConsumerTracker>,
 }
 
 impl Sim {
@@ -218,7 +301,8 @@ impl Sim {
         let updated = self.pods.iter().filter(|p| !p.terminating && p.revision == self.revision).count() as i32;
         Deployment {
             metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-                name: Some("demo-consumer".into()),
+                name: Some(DEPLOYMENT.into()),
+                namespace: Some(NAMESPACE.into()),
                 ..Default::default()
             },
             spec: Some(DeploymentSpec {
@@ -235,12 +319,11 @@ impl Sim {
     }
 
     /// Runs the Deployment controller until the current revision is fully rolled out.
-    async fn roll(&mut self, gate: Option<(&GatePlan, &crate::consumers::ConsumerTracker)>) -> Result<(), String> {
+    async fn roll(&mut self) -> Result<(), String> {
         let started = Instant::now();
         loop {
-            if let Some((plan, tracker)) = gate {
-                self.gate_pass(plan, tracker);
-            }
+            self.gate_pass();
+            self.count_consumers();
             let states: Vec<model::PodState> = self
                 .pods
                 .iter()
@@ -268,7 +351,7 @@ impl Sim {
                                 id,
                                 self.revision,
                                 &self.uri,
-                                &self.queue,
+                                &self.queues,
                                 self.s.guarded,
                                 Duration::from_millis(boot),
                                 Duration::from_millis(attach),
@@ -293,29 +376,27 @@ impl Sim {
         }
     }
 
-    /// The operator's gate decision for every pod, applied as the kubelet would see it.
-    fn gate_pass(&mut self, plan: &GatePlan, tracker: &crate::consumers::ConsumerTracker) {
-        let facts: Vec<PodFacts> = self.pods.iter().map(PodHandle::facts).collect();
-        let consumers = tracker.consumers_on(&self.key);
-        let tracking = tracker.tracking();
+    /// The operator's gate index over every pod, its patches applied as the kubelet would see
+    /// them.
+    fn gate_pass(&mut self) {
         let deployment = self.deployment();
+        let facts = self.pods.iter().map(|p| p.facts(NAMESPACE, DEPLOYMENT)).collect();
+        let Some(guard) = &mut self.guard else { return };
         let now = now_ms();
-        let seen = Observed {
-            queue: &self.key,
-            deployments: std::slice::from_ref(&deployment),
-            pods: &facts,
-            consumers: &consumers,
-            tracking: &tracking,
-            now_ms: now,
-        };
-        let decision = gate::decide(plan, &seen);
-        for (_, patch) in decision.strategy_patches {
-            let strategy = patch["spec"]["strategy"].clone();
-            self.strategy = serde_json::from_value(strategy).ok();
+        let consumers = OneTracker(&self.tracker);
+        guard.index.upsert_deployment(DeploymentFacts::from_deployment(&deployment));
+        guard.index.replace_pods(facts, now);
+        guard.index.all_consumers_changed();
+        guard.index.tick(now);
+        let effects = guard.index.flush(&consumers, now);
+        if let Some(view) = guard.index.policy_view(&guard.first, &consumers, now) {
+            for (_, patch) in gate::report(&guard.plan, &view, None, now).strategy_patches {
+                self.strategy = serde_json::from_value(patch["spec"]["strategy"].clone()).ok();
+            }
         }
-        for patch in decision.pod_patches {
+        for patch in effects.patches {
             let Some(pod) = self.pods.iter_mut().find(|p| p.name == patch.pod) else { continue };
-            let opened = pod.set_gate(patch.attached, patch.reason, now);
+            let opened = pod.set_gate(patch.attached, patch.reason.as_str(), now);
             if opened {
                 match (pod.attached_ms(), pod.booted_ms()) {
                     (Some(attached), Some(booted)) if attached <= now => {
@@ -325,6 +406,14 @@ impl Sim {
                     _ => self.premature += 1,
                 }
             }
+        }
+    }
+
+    /// Notes the fewest consumers each queue has had since the first rollout.
+    fn count_consumers(&mut self) {
+        let Some(fewest) = &mut self.fewest else { return };
+        for (n, key) in fewest.iter_mut().zip(&self.keys) {
+            *n = (*n).min(self.tracker.consumers_on(key).len());
         }
     }
 
@@ -351,7 +440,7 @@ impl Sim {
 /// confirmed ones.
 async fn publish(
     uri: BrokerUri,
-    queue: String,
+    queues: Vec<String>,
     every: Duration,
     published: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -363,6 +452,7 @@ async fn publish(
     let mut seq: u64 = 0;
     while !stop.load(Ordering::SeqCst) {
         let body = seq.to_string();
+        let queue = &queues[seq as usize % queues.len()];
         let confirm = ch
             .basic_publish(
                 "".into(),

@@ -7,6 +7,7 @@ use crate::{
     gate::pods::{GateCondition, PodFacts},
 };
 use futures::StreamExt;
+use futures::stream::SelectAll;
 use lapin::{
     Connection, ConnectionProperties,
     options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions},
@@ -62,7 +63,7 @@ impl PodHandle {
         id: usize,
         revision: u32,
         uri: &BrokerUri,
-        queue: &str,
+        queues: &[String],
         durable: bool,
         boot: Duration,
         attach: Duration,
@@ -74,7 +75,7 @@ impl PodHandle {
         let task = tokio::spawn(consume(
             name.clone(),
             uri.clone(),
-            queue.to_owned(),
+            queues.to_vec(),
             durable,
             boot,
             attach,
@@ -103,15 +104,19 @@ impl PodHandle {
     }
 
     /// The pod as the gate sees it.
-    pub fn facts(&self) -> PodFacts {
+    pub fn facts(&self, namespace: &str, deployment: &str) -> PodFacts {
         PodFacts {
+            namespace: namespace.into(),
             name: self.name.clone(),
             uid: self.name.clone(),
+            deployment: Some(deployment.into()),
             ips: vec![],
+            ip_since_ms: None,
             has_gate: true,
             condition: self.gate.clone(),
             containers_ready_since_ms: self.booted_ms(),
             deleting: self.terminating,
+            terminal: false,
         }
     }
 
@@ -144,7 +149,7 @@ impl PodHandle {
 async fn consume(
     name: String,
     uri: BrokerUri,
-    queue: String,
+    queues: Vec<String>,
     durable: bool,
     boot: Duration,
     attach: Duration,
@@ -162,16 +167,18 @@ async fn consume(
         _ = tokio::time::sleep(attach) => {}
         _ = &mut stopped => return finish(&shared),
     }
-    if let Err(e) = attach_and_work(&name, &uri, &queue, durable, &tally, &shared, &mut stopped).await {
+    if let Err(e) = attach_and_work(&name, &uri, &queues, durable, &tally, &shared, &mut stopped).await {
         tracing::warn!(pod = %name, error = %e, "simulated consumer failed");
     }
     finish(&shared);
 }
 
+/// One connection, one channel, one consumer per queue (tag `<pod>.<i>`), as a worker that
+/// reads several queues would have.
 async fn attach_and_work(
     name: &str,
     uri: &BrokerUri,
-    queue: &str,
+    queues: &[String],
     durable: bool,
     tally: &Tally,
     shared: &Shared,
@@ -187,10 +194,16 @@ async fn attach_and_work(
     } else {
         QueueDeclareOptions { auto_delete: true, ..Default::default() }
     };
-    ch.queue_declare(queue.into(), options, FieldTable::default()).await?;
     ch.basic_qos(10, BasicQosOptions::default()).await?;
-    let mut deliveries =
-        ch.basic_consume(queue.into(), name.into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    let mut deliveries = SelectAll::new();
+    for (i, queue) in queues.iter().enumerate() {
+        ch.queue_declare(queue.as_str().into(), options, FieldTable::default()).await?;
+        let tag = format!("{name}.{i}");
+        deliveries.push(
+            ch.basic_consume(queue.as_str().into(), tag.into(), BasicConsumeOptions::default(), FieldTable::default())
+                .await?,
+        );
+    }
     shared.attached_ms.store(now_ms(), Ordering::SeqCst);
     loop {
         tokio::select! {
@@ -207,7 +220,9 @@ async fn attach_and_work(
         }
     }
     // Graceful shutdown: stop receiving, finish what was already delivered, then leave.
-    ch.basic_cancel(name.into(), BasicCancelOptions::default()).await?;
+    for i in 0..queues.len() {
+        ch.basic_cancel(format!("{name}.{i}").into(), BasicCancelOptions::default()).await?;
+    }
     while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await {
         if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
             tally.record(seq);

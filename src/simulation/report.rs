@@ -12,8 +12,11 @@ pub struct Report {
     pub consumed: u64,
     pub lost: u64,
     pub duplicates: u64,
-    /// `queue.deleted` events for the queue during the run.
+    /// `queue.deleted` events for the queues during the run.
     pub queue_deletions: u64,
+    /// Per queue, the fewest consumers attached at any moment of the restarts (0: a moment
+    /// with nobody reading it).
+    pub fewest_consumers: Vec<usize>,
     /// Longest time a booted pod waited for the gate to open (guarded runs).
     pub longest_gate_wait: Option<Duration>,
     /// Gates opened before their pod's consumer attached (must be 0).
@@ -24,8 +27,17 @@ pub struct Report {
 }
 
 pub fn table(reports: &[Report]) -> String {
-    let header =
-        ["scenario", "restarts", "published", "consumed", "lost", "duplicates", "queue deletions", "longest gate wait"];
+    let header = [
+        "scenario",
+        "restarts",
+        "published",
+        "consumed",
+        "lost",
+        "duplicates",
+        "queue deletions",
+        "fewest consumers",
+        "longest gate wait",
+    ];
     let rows: Vec<Vec<String>> = reports
         .iter()
         .map(|r| {
@@ -37,6 +49,7 @@ pub fn table(reports: &[Report]) -> String {
                 r.lost.to_string(),
                 r.duplicates.to_string(),
                 r.queue_deletions.to_string(),
+                r.fewest_consumers.iter().map(usize::to_string).collect::<Vec<_>>().join("/"),
                 r.longest_gate_wait.map_or_else(|| "-".into(), |d| format!("{:.2}s", d.as_secs_f64())),
             ]
         })
@@ -70,6 +83,7 @@ mod tests {
             lost: 0,
             duplicates: 3,
             queue_deletions: 0,
+            fewest_consumers: vec![2, 1],
             longest_gate_wait: Some(Duration::from_millis(850)),
             premature_opens: 0,
             gate_overheads: vec![],
@@ -78,11 +92,11 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
-            "scenario  restarts  published  consumed  lost  duplicates  queue deletions  longest gate wait"
+            "scenario  restarts  published  consumed  lost  duplicates  queue deletions  fewest consumers  longest gate wait"
         );
         assert_eq!(
             lines[1],
-            "guarded         10       2000      2000     0           3                0              0.85s"
+            "guarded         10       2000      2000     0           3                0               2/1              0.85s"
         );
         assert!(lines[2].starts_with("naive ") && lines[2].ends_with("  -"));
     }

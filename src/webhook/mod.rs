@@ -7,9 +7,9 @@ pub mod certs;
 pub mod server;
 
 use crate::{
-    controller::triggers::guards,
     crd::{GateMode, QueuePolicy},
-    gate::pods::GATE_CONDITION,
+    gate::{GATE_CONDITION, guards::guards},
+    plan::{self, Limits},
 };
 use base64::Engine;
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
@@ -20,8 +20,16 @@ use kube::{
 };
 use serde_json::json;
 
-/// The policies that gate pods of `deployment` (named, or selected by its labels) in Enforce
-/// mode. Observe mode must not add the gate: nobody would ever set its condition.
+/// The opt-in label: the webhook is called only for pods of namespaces that carry it (its
+/// namespaceSelector), so pod creation elsewhere, kube-system included, never waits on the
+/// operator.
+pub const NAMESPACE_LABEL: (&str, &str) = ("queueguard.io/readiness-gate-inject", "enabled");
+/// The same, as `kubectl label` takes it.
+pub const NAMESPACE_LABEL_TEXT: &str = "queueguard.io/readiness-gate-inject=enabled";
+
+/// The policies that gate pods of `deployment` (named, or selected by its labels): valid, and
+/// in Enforce mode. An invalid policy or Observe mode must not add the gate: nobody would ever
+/// set its condition.
 pub fn enforcing<'a>(
     policies: &'a [std::sync::Arc<QueuePolicy>],
     namespace: &str,
@@ -34,6 +42,7 @@ pub fn enforcing<'a>(
         .map(|p| &**p)
         .filter(|p| p.namespace().as_deref() == Some(namespace) && p.spec.gate.mode == GateMode::Enforce)
         .filter(|p| guards(p, deployment, labels.unwrap_or(&no_labels)))
+        .filter(|p| p.metadata.deletion_timestamp.is_none() && plan::plan(p, Limits::default()).is_ok())
         .collect()
 }
 
@@ -128,7 +137,7 @@ mod tests {
         let req = request(|_| {});
         let policies = [policy("{deployment: order-worker}", "Enforce")];
         let pod = req.object.as_ref().unwrap();
-        let deployment = crate::controller::triggers::deployment_of(pod).unwrap();
+        let deployment = crate::gate::guards::deployment_of(pod).unwrap();
         let guarding = enforcing(&policies, "shop", &deployment, None);
         let response = mutate(&req, &guarding);
         assert!(response.allowed);

@@ -7,7 +7,7 @@ use super::{
     certs::{SelfSigned, WebhookTls},
     enforcing, mutate, needs_deployment_labels, review_json,
 };
-use crate::{controller::triggers::deployment_of, crd::QueuePolicy};
+use crate::{crd::QueuePolicy, gate::guards::deployment_of};
 use axum::{Json, Router, extract::State, routing::post};
 use hyper_util::{rt::TokioIo, service::TowerToHyperService};
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};

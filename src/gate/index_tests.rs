@@ -1,0 +1,495 @@
+//! The index as the controller drives it: objects and consumer changes in, pod condition patches
+//! and policy wake-ups out. No API server, no broker, no sleeps.
+
+use super::*;
+use crate::{
+    consumers::Change,
+    crd::{ConsumersSpec, FailurePolicy, MatchBy},
+    gate::{
+        GATE_CONDITION, GateReason,
+        pods::{CLOCK_SKEW_MS, GateCondition},
+    },
+};
+use k8s_openapi::{
+    api::apps::v1::DeploymentSpec,
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
+};
+use std::time::Duration;
+
+const NOW: i64 = 1_000_000;
+const SOURCE: u64 = 7;
+
+#[derive(Default)]
+struct Broker {
+    consumers: HashMap<QueueKey, Vec<Consumer>>,
+    tracking: Option<Tracking>,
+}
+
+impl Consumers for Broker {
+    fn consumers_on(&self, source: u64, queue: &QueueKey) -> Vec<Consumer> {
+        assert_eq!(source, SOURCE);
+        self.consumers.get(queue).cloned().unwrap_or_default()
+    }
+
+    fn tracking(&self, _: u64, _: &str) -> Tracking {
+        self.tracking.clone().unwrap_or(Tracking::Events)
+    }
+}
+
+impl Broker {
+    fn attach(&mut self, queue: &str, pod_ip: &str, since: i64) {
+        self.consumers.entry(q(queue)).or_default().push(consumer(queue, pod_ip, since, since));
+    }
+
+    fn detach(&mut self, queue: &str) {
+        self.consumers.remove(&q(queue));
+    }
+}
+
+fn q(name: &str) -> QueueKey {
+    QueueKey::new("/", name)
+}
+
+fn consumer(queue: &str, peer: &str, since: i64, connected: i64) -> Consumer {
+    Consumer {
+        queue: q(queue),
+        tag: format!("ctag-{queue}-{peer}"),
+        channel: format!("{peer}:4000 -> 10.9.9.9:5672 (1)"),
+        peer_host: Some(peer.into()),
+        connection_name: None,
+        prefetch: 10,
+        ack_required: true,
+        since_ms: since,
+        connected_ms: Some(connected),
+    }
+}
+
+fn plan(min_attached: i32) -> GatePlan {
+    GatePlan {
+        mode: GateMode::Enforce,
+        failure_policy: FailurePolicy::Closed,
+        attach_timeout: Duration::from_secs(600),
+        manage_strategy: true,
+        pod_disruption_budget: true,
+        min_attached,
+        min_attached_for: Duration::from_secs(5),
+        match_by: MatchBy::PodIp,
+        consumers: ConsumersSpec {
+            deployment: Some("worker".into()),
+            selector: None,
+            min_attached,
+            min_attached_seconds: 5,
+            match_by: MatchBy::PodIp,
+        },
+    }
+}
+
+fn policy(name: &str, selects: Selects, plan: Result<GatePlan, String>) -> PolicyFacts {
+    PolicyFacts { key: ObjectKey::new("shop", name), uid: format!("uid-{name}"), selects, plan, deleting: false }
+}
+
+fn guarding_worker(name: &str) -> PolicyFacts {
+    policy(name, Selects::Name("worker".into()), Ok(plan(1)))
+}
+
+fn deployment(name: &str, labels: &[(&str, &str)]) -> DeploymentFacts {
+    let labels: BTreeMap<String, String> = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    DeploymentFacts::from_deployment(&Deployment {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("shop".into()),
+            labels: Some(labels.clone()),
+            ..Default::default()
+        },
+        spec: Some(DeploymentSpec {
+            replicas: Some(1),
+            selector: LabelSelector {
+                match_labels: Some([("app".to_owned(), name.to_owned())].into()),
+                ..Default::default()
+            },
+            template: k8s_openapi::api::core::v1::PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some([("app".to_owned(), name.to_owned())].into()),
+                    ..Default::default()
+                }),
+                spec: None,
+            },
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+fn pod(name: &str, ip: &str) -> PodFacts {
+    PodFacts {
+        namespace: "shop".into(),
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        deployment: Some("worker".into()),
+        ips: vec![ip.into()],
+        ip_since_ms: Some(NOW - 60_000),
+        has_gate: true,
+        condition: None,
+        containers_ready_since_ms: Some(NOW - 50_000),
+        deleting: false,
+        terminal: false,
+    }
+}
+
+/// The pod as the watch shows it after the writer's patch.
+fn written(mut p: PodFacts, patch: &PodPatch) -> PodFacts {
+    p.condition = Some(GateCondition {
+        status: patch.attached,
+        reason: patch.reason.as_str().into(),
+        since_ms: patch.transition_ms,
+    });
+    p
+}
+
+/// An index with the given policies bound to their queue (`orders` for the first, and so on),
+/// the `worker` Deployment, and every watch synced.
+fn index(policies: Vec<(PolicyFacts, &str)>) -> GateIndex {
+    let mut i = GateIndex::default();
+    let keys: Vec<(ObjectKey, &str)> = policies.iter().map(|(p, queue)| (p.key.clone(), *queue)).collect();
+    i.replace_policies(policies.into_iter().map(|(p, _)| p).collect());
+    for (key, queue) in keys {
+        i.bind(&key, Ok(Binding { source: SOURCE, queue: q(queue) }));
+    }
+    i.replace_deployments(vec![deployment("worker", &[("tier", "consumers")])]);
+    i.replace_budgets(vec![]);
+    i.replace_pods(vec![], NOW);
+    i
+}
+
+fn flush(i: &mut GateIndex, b: &Broker, now: i64) -> Vec<PodPatch> {
+    i.flush(b, now).patches
+}
+
+#[test]
+fn two_policies_and_a_worker_attached_to_one_queue_stay_closed_without_a_single_patch() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders"), (guarding_worker("events"), "events")]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 30_000);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    assert_eq!(
+        flush(&mut i, &b, NOW),
+        vec![],
+        "not attached to events: not Ready, and a new pod's absent condition already says so"
+    );
+    // Each policy's changes wake the pod again; the verdict stays the same, nothing is written.
+    for now in (NOW..NOW + 10_000).step_by(100) {
+        i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+        i.upsert_pod(pod("worker-1", "10.0.0.1"), now);
+        assert_eq!(flush(&mut i, &b, now), vec![]);
+    }
+    let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
+    assert_eq!(view.pods[0].waiting_for, ["events"], "orders' status names the queue the pod still misses");
+    assert!(view.pods[0].attached_since.is_some() && view.pods[0].counts, "its own queue is attached");
+    let view = i.policy_view(&ObjectKey::new("shop", "events"), &b, NOW).unwrap();
+    assert!(view.pods[0].attached_since.is_none());
+}
+
+#[test]
+fn attached_to_both_queues_opens_once_and_one_leaving_closes_once() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders"), (guarding_worker("events"), "events")]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 30_000);
+    b.attach("events", "10.0.0.1", NOW - 20_000);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let patches = flush(&mut i, &b, NOW);
+    let [open] = patches.as_slice() else { panic!("{patches:?}") };
+    assert!(open.attached);
+    assert_eq!(open.reason, GateReason::ConsumerAttached);
+    assert!(open.message.contains("orders") && open.message.contains("events"), "{}", open.message);
+    assert_eq!(open.policies.len(), 2);
+    assert_eq!(open.waited_ms, Some(50_000), "from containers ready to open");
+    // Written, not yet seen back: no second patch.
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    assert_eq!(flush(&mut i, &b, NOW + 1), vec![]);
+    i.upsert_pod(written(pod("worker-1", "10.0.0.1"), open), NOW + 2);
+    assert_eq!(flush(&mut i, &b, NOW + 2), vec![]);
+
+    b.detach("events");
+    i.consumers_changed(SOURCE, &Change::Detached { consumer: consumer("events", "10.0.0.1", 0, 0) });
+    let patches = flush(&mut i, &b, NOW + 3);
+    let [close] = patches.as_slice() else { panic!("{patches:?}") };
+    assert!(!close.attached);
+    assert_eq!(close.reason, GateReason::NoConsumer);
+    assert!(close.message.starts_with("waiting for events: no consumer from this pod"), "{}", close.message);
+    assert_eq!(close.body()["status"]["conditions"][0]["type"], GATE_CONDITION);
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    assert_eq!(flush(&mut i, &b, NOW + 4), vec![]);
+}
+
+#[test]
+fn only_enforce_policies_vote() {
+    let mut observe = plan(1);
+    observe.mode = GateMode::Observe;
+    let mut i = index(vec![
+        (guarding_worker("orders"), "orders"),
+        (policy("events", Selects::Name("worker".into()), Ok(observe)), "events"),
+    ]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 30_000);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let patches = flush(&mut i, &b, NOW);
+    assert_eq!(patches.len(), 1, "events is observed only: orders alone decides");
+    assert!(patches[0].attached);
+    assert_eq!(patches[0].policies, [ObjectKey::new("shop", "orders")]);
+    let view = i.policy_view(&ObjectKey::new("shop", "events"), &b, NOW).unwrap();
+    assert!(view.pods[0].open, "the Observe policy's status shows the pod's real gate");
+}
+
+#[test]
+fn a_fresh_consumer_waits_out_min_attached_seconds_on_a_timer() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 2_000);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    assert_eq!(flush(&mut i, &b, NOW), vec![]);
+    assert_eq!(i.next_due(), Some(NOW + 3_000));
+    i.tick(NOW + 2_999);
+    assert_eq!(flush(&mut i, &b, NOW + 2_999), vec![]);
+    i.tick(NOW + 3_000);
+    let patches = flush(&mut i, &b, NOW + 3_000);
+    assert_eq!(patches.len(), 1);
+    assert_eq!(i.next_due(), None);
+}
+
+#[test]
+fn a_reused_ip_never_opens_a_new_pod_for_a_stale_consumer() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let mut b = Broker::default();
+    // The old holder of 10.0.0.1 connected long ago; its connection outlives it at the broker.
+    b.consumers.insert(q("orders"), vec![consumer("orders", "10.0.0.1", NOW - 600_000, NOW - 600_000)]);
+    let mut fresh = pod("worker-2", "10.0.0.1");
+    fresh.ip_since_ms = Some(NOW - 10_000);
+    i.upsert_pod(fresh.clone(), NOW);
+    assert_eq!(flush(&mut i, &b, NOW), vec![], "the stale consumer is not the new pod's");
+    let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
+    assert_eq!((view.stale, view.unmatched), (1, 0));
+    assert!(view.pods[0].attached_since.is_none());
+    // The new pod's own consumer, connected after it got the address, counts.
+    b.consumers.get_mut(&q("orders")).unwrap().push(consumer("orders", "10.0.0.1", NOW - 8_000, NOW - 9_000));
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    let patches = flush(&mut i, &b, NOW);
+    assert_eq!(patches.len(), 1);
+    assert!(patches[0].attached);
+    // Within the clock skew allowance a consumer still counts.
+    let mut skewed = pod("worker-3", "10.0.0.3");
+    skewed.ip_since_ms = Some(NOW - 10_000);
+    b.attach("orders", "10.0.0.3", NOW - 10_000 - CLOCK_SKEW_MS);
+    i.upsert_pod(skewed, NOW);
+    assert_eq!(flush(&mut i, &b, NOW).len(), 1);
+}
+
+#[test]
+fn a_pod_seen_without_start_time_dates_its_address_from_first_sight() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let mut b = Broker::default();
+    b.consumers.insert(q("orders"), vec![consumer("orders", "10.0.0.1", NOW - 600_000, NOW - 600_000)]);
+    let mut p = pod("worker-1", "10.0.0.1");
+    p.ip_since_ms = None;
+    i.upsert_pod(p.clone(), NOW);
+    assert_eq!(flush(&mut i, &b, NOW), vec![]);
+    i.upsert_pod(p, NOW + 5_000);
+    let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW + 5_000).unwrap();
+    assert_eq!(view.stale, 1, "first seen at NOW, not at the later update");
+}
+
+#[test]
+fn pods_are_one_by_uid_and_terminal_pods_hold_no_address() {
+    let by_tier = Selects::Labels(
+        Selector::try_from(LabelSelector {
+            match_labels: Some([("tier".to_owned(), "consumers".to_owned())].into()),
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    // Two policies picking the same Deployment, by name and by label.
+    let mut i = index(vec![(guarding_worker("orders"), "orders"), (policy("by-tier", by_tier, Ok(plan(1))), "orders")]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 30_000);
+    let mut evicted = pod("worker-old", "10.0.0.1");
+    evicted.terminal = true;
+    i.upsert_pod(evicted, NOW);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let patches = flush(&mut i, &b, NOW);
+    assert_eq!(patches.len(), 1, "one pod, one patch, and the Failed pod does not make 10.0.0.1 ambiguous");
+    assert_eq!(patches[0].pod, "worker-1");
+    let view = i.policy_view(&ObjectKey::new("shop", "by-tier"), &b, NOW).unwrap();
+    assert_eq!(view.pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["worker-1"]);
+    assert!(view.ambiguous_ips.is_empty());
+    assert_eq!(i.guarding("uid-worker-1").len(), 2);
+    assert_eq!(i.guarded(&ObjectKey::new("shop", "by-tier")), [ObjectKey::new("shop", "worker")]);
+
+    // A second live pod on the same address (hostNetwork): ambiguous, never guessed.
+    let mut twin = pod("worker-2", "10.0.0.1");
+    twin.uid = "uid-twin".into();
+    i.upsert_pod(twin, NOW);
+    let patches = flush(&mut i, &b, NOW);
+    let [closed] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!((closed.pod.as_str(), closed.attached), ("worker-1", false), "its consumer can no longer be told apart");
+    assert_eq!(closed.message, "waiting for orders: no consumer from this pod", "one queue, named once");
+    let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
+    assert_eq!(view.ambiguous_ips, ["10.0.0.1"]);
+}
+
+#[test]
+fn failure_policy_closed_holds_what_it_cannot_see_and_open_lets_through_after_the_timeout() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let b = Broker {
+        tracking: Some(Tracking::Unavailable("reading the consumers of vhost '/': 401".into())),
+        ..Default::default()
+    };
+    let mut opened = pod("worker-1", "10.0.0.1");
+    opened.condition = Some(GateCondition { status: true, reason: "ConsumerAttached".into(), since_ms: NOW - 100_000 });
+    i.upsert_pod(opened, NOW);
+    i.upsert_pod(pod("worker-2", "10.0.0.2"), NOW);
+    assert_eq!(flush(&mut i, &b, NOW + 700_000), vec![], "nothing seen, nothing changed");
+
+    let mut open = plan(1);
+    open.failure_policy = FailurePolicy::Open;
+    i.upsert_policy(policy("orders", Selects::Name("worker".into()), Ok(open)));
+    let patches = flush(&mut i, &b, NOW + 700_000);
+    let [p] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!((p.pod.as_str(), p.reason), ("worker-2", GateReason::BrokerUnreachable));
+    assert_eq!(p.event().reason, "GateFailedOpen");
+    assert!(p.event().warning);
+}
+
+#[test]
+fn unbound_and_invalid_policies_hold_and_unguarded_pods_open() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let b = Broker::default();
+    i.bind(&ObjectKey::new("shop", "orders"), Err("Secret 'shop/rabbitmq' not found".into()));
+    let mut p = pod("worker-1", "10.0.0.1");
+    p.condition = Some(GateCondition { status: false, reason: "NoConsumer".into(), since_ms: NOW });
+    i.upsert_pod(p.clone(), NOW);
+    assert_eq!(flush(&mut i, &b, NOW), vec![]);
+    let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
+    assert!(matches!(&view.tracking, Tracking::Unavailable(why) if why.contains("Secret")));
+
+    i.upsert_policy(policy("orders", Selects::Name("worker".into()), Err("spec.queue.expires: invalid".into())));
+    assert_eq!(flush(&mut i, &b, NOW), vec![], "an invalid policy holds its pods as they are");
+
+    i.remove_policy(&ObjectKey::new("shop", "orders"));
+    let patches = flush(&mut i, &b, NOW);
+    let [open] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!(open.reason, GateReason::NotGuarded, "a gate nobody guards would hold the pod for ever");
+}
+
+#[test]
+fn nothing_is_written_before_every_watch_has_synced() {
+    let mut i = GateIndex::default();
+    let b = Broker::default();
+    i.replace_pods(vec![pod("worker-1", "10.0.0.1")], NOW);
+    i.replace_deployments(vec![deployment("worker", &[])]);
+    i.replace_budgets(vec![]);
+    assert_eq!(flush(&mut i, &b, NOW), vec![], "policies not listed yet: the pod only looks unguarded");
+    i.replace_policies(vec![guarding_worker("orders")]);
+    i.mark_all();
+    assert_eq!(flush(&mut i, &b, NOW), vec![], "now guarded, and not attached");
+}
+
+#[test]
+fn deleting_pods_are_left_alone_and_a_failed_write_is_retried() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 30_000);
+    let mut leaving = pod("worker-0", "10.0.0.9");
+    leaving.deleting = true;
+    i.upsert_pod(leaving, NOW);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    assert_eq!(flush(&mut i, &b, NOW).len(), 1);
+    i.write_failed("uid-worker-1", NOW);
+    assert_eq!(flush(&mut i, &b, NOW + 10), vec![], "not before the retry delay");
+    assert_eq!(i.next_due(), Some(NOW + RETRY_MS));
+    i.tick(NOW + RETRY_MS);
+    assert_eq!(flush(&mut i, &b, NOW + RETRY_MS).len(), 1);
+}
+
+#[test]
+fn policies_are_woken_by_their_pods_deployments_and_queues() {
+    let mut i = index(vec![
+        (guarding_worker("orders"), "orders"),
+        (policy("other", Selects::Nothing, Err("no spec.consumers".into())), "other"),
+    ]);
+    let b = Broker::default();
+    i.flush(&b, NOW);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    assert_eq!(i.flush(&b, NOW).wake, BTreeSet::from([ObjectKey::new("shop", "orders")]));
+    i.consumers_changed(SOURCE, &Change::QueueDeleted { queue: q("other") });
+    assert_eq!(
+        i.flush(&b, NOW).wake,
+        BTreeSet::from([ObjectKey::new("shop", "other")]),
+        "a queue deleted behind its back"
+    );
+    i.upsert_deployment(deployment("worker", &[("tier", "web")]));
+    assert_eq!(i.flush(&b, NOW).wake, BTreeSet::from([ObjectKey::new("shop", "orders")]));
+}
+
+fn budget(name: &str, ours: bool, selects_app: &str) -> BudgetFacts {
+    let mut labels = BTreeMap::new();
+    if ours {
+        labels.insert(crate::gate::pdb::MANAGED_BY.0.to_owned(), crate::gate::pdb::MANAGED_BY.1.to_owned());
+    }
+    BudgetFacts::from_budget(&PodDisruptionBudget {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("shop".into()),
+            labels: Some(labels),
+            owner_references: ours.then(|| vec![OwnerReference { uid: "uid-orders".into(), ..Default::default() }]),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::policy::v1::PodDisruptionBudgetSpec {
+            selector: Some(LabelSelector {
+                match_labels: Some([("app".to_owned(), selects_app.to_owned())].into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+#[test]
+fn one_budget_per_deployment_with_the_strictest_min_attached_and_none_beside_anothers() {
+    let mut i = index(vec![
+        (policy("orders", Selects::Name("worker".into()), Ok(plan(1))), "orders"),
+        (policy("events", Selects::Name("worker".into()), Ok(plan(2))), "events"),
+    ]);
+    let worker = ObjectKey::new("shop", "worker");
+    let Budget::Want(want) = i.budget_for(&worker) else { panic!() };
+    assert_eq!(want.metadata.name.as_deref(), Some("worker-queueguard"));
+    assert_eq!(
+        want.spec.as_ref().unwrap().min_available,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(2)),
+        "the strictest minAttached"
+    );
+    assert_eq!(want.metadata.owner_references.as_ref().unwrap().len(), 2);
+
+    // Someone else's budget over the same pods: two budgets would make every eviction fail.
+    i.upsert_budget(budget("team-pdb", false, "worker"));
+    assert_eq!(i.budget_for(&worker), Budget::Foreign(vec!["team-pdb".into()]));
+    i.remove_budget(&ObjectKey::new("shop", "team-pdb"));
+    i.upsert_budget(budget("unrelated", false, "web"));
+    assert!(matches!(i.budget_for(&worker), Budget::Want(_)));
+
+    // The operator's own budget from before is found as one to bring in line.
+    i.upsert_budget(budget("orders-worker", true, "worker"));
+    let touching = i.budgets_touching("shop", "uid-orders", &[worker.clone()]);
+    assert_eq!(touching.iter().map(|b| b.key.name.as_str()).collect::<Vec<_>>(), ["orders-worker"]);
+
+    // A deleting policy no longer owns it; without any, there is none.
+    let mut leaving = policy("events", Selects::Name("worker".into()), Ok(plan(2)));
+    leaving.deleting = true;
+    i.upsert_policy(leaving);
+    let Budget::Want(want) = i.budget_for(&worker) else { panic!() };
+    assert_eq!(want.metadata.owner_references.as_ref().unwrap().len(), 1);
+    let mut no_pdb = plan(1);
+    no_pdb.pod_disruption_budget = false;
+    i.upsert_policy(policy("orders", Selects::Name("worker".into()), Ok(no_pdb)));
+    assert_eq!(i.budget_for(&worker), Budget::None);
+}
