@@ -35,20 +35,18 @@ pub const RULES: &[Rule] = &[
     // Watch and reconcile policies; the finalizer is a patch of the object.
     rule("queueguard.io", "queuepolicies", &["get", "list", "watch", "patch"]),
     rule("queueguard.io", "queuepolicies/status", &["patch"]),
-    // Not an API call: the PDBs the operator creates name their policy as owner with
-    // blockOwnerDeletion, which clusters running OwnerReferencesPermissionEnforcement (OpenShift)
-    // allow only to whoever may update the owner's finalizers.
-    rule("queueguard.io", "queuepolicies/finalizers", &["update"]),
     // QueuePatterns: the same, without owned objects.
     rule("queueguard.io", "queuepatterns", &["get", "list", "watch", "patch"]),
     rule("queueguard.io", "queuepatterns/status", &["patch"]),
-    // The consumer Deployments: watched, read, and patched to a safe strategy.
+    // The consumer Deployments: watched, patched to a safe strategy; the webhook reads one's
+    // labels when a policy picks Deployments by label.
     rule("apps", "deployments", &["get", "list", "watch", "patch"]),
-    // Consumer pods: watched and listed; their gate condition written through pods/status.
-    rule("", "pods", &["get", "list", "watch"]),
+    // Consumer pods: watched; their gate condition written through pods/status.
+    rule("", "pods", &["list", "watch"]),
     rule("", "pods/status", &["patch"]),
-    // The policy's PodDisruptionBudgets: server-side apply creates them, stale ones are deleted.
-    rule("policy", "poddisruptionbudgets", &["list", "create", "patch", "delete"]),
+    // PodDisruptionBudgets: watched (the operator's own, and others' over the same pods);
+    // server-side apply creates the operator's, stale ones are deleted.
+    rule("policy", "poddisruptionbudgets", &["list", "watch", "create", "patch", "delete"]),
     rule("events.k8s.io", "events", &["create", "patch"]),
     // Broker credentials.
     rule("", "secrets", &["get"]),

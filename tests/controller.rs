@@ -11,6 +11,7 @@ use kube::runtime::controller::Action;
 use queueguard::{
     controller::{self, Context, FINALIZER},
     crd::QueuePolicy,
+    gate::index::ObjectKey,
 };
 use serde_json::{Value, json};
 use std::{sync::Arc, time::Duration};
@@ -286,30 +287,92 @@ fn worker_deployment(strategy: Value) -> Value {
     })
 }
 
-fn worker_pods(gate: Option<&str>) -> Value {
-    let mut conditions =
-        vec![json!({"type": "ContainersReady", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"})];
+/// The worker's pod, started a minute ago, its containers ready for 50 s, and its gate condition
+/// as given (set 40 s ago).
+fn worker_pod(gate: Option<&str>) -> Value {
+    let ago =
+        |s: i64| (k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(s)).to_string();
+    let mut conditions = vec![json!({"type": "ContainersReady", "status": "True", "lastTransitionTime": ago(50)})];
     if let Some(status) = gate {
-        conditions.push(json!({"type": "queueguard.io/consumer-attached", "status": status, "reason": "ConsumerAttached", "lastTransitionTime": "2026-01-01T00:00:05Z"}));
+        conditions.push(json!({"type": "queueguard.io/consumer-attached", "status": status, "reason": "ConsumerAttached", "lastTransitionTime": ago(40)}));
     }
     json!({
-        "apiVersion": "v1", "kind": "PodList", "metadata": {},
-        "items": [{
-            "metadata": {"name": "worker-abc-1", "namespace": "test", "uid": "pod-uid-1", "labels": {"app": "worker", "pod-template-hash": "abc"}},
-            "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]},
-            "status": {"podIP": "127.0.0.1", "conditions": conditions},
-        }],
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "worker-abc-1", "namespace": "test", "uid": "pod-uid-1",
+                     "labels": {"app": "worker", "pod-template-hash": "abc"},
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "worker-abc", "uid": "rs-uid"}]},
+        "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]},
+        "status": {"podIP": "127.0.0.1", "startTime": ago(60), "phase": "Running", "conditions": conditions},
     })
 }
 
-/// The gate's writes, exactly: the pod condition (strategic merge on pods/status with the UID
-/// precondition), the Deployment strategy, the PDB (server-side apply), then status and Events.
-#[tokio::test]
-async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_it_when_it_leaves() {
-    let name = unique("ctrl-gate");
-    let p = with_finalizer(policy_doc(&name, "queue: {}\n  consumers: {deployment: worker, minAttachedSeconds: 0}"));
-    let (ctx, mut api) = harness();
-    // The tracker runs before the first pass, as it would after the operator's first reconcile.
+/// What the watches would deliver: each kind listed once, so the gate has synced.
+fn watched(ctx: &Context, policies: &[&QueuePolicy], deployments: &[Value], pods: &[Value], budgets: &[Value]) {
+    use kube::runtime::watcher::Event;
+    let gate = &ctx.gate;
+    gate.on_policy(&Event::Init);
+    for p in policies {
+        gate.on_policy(&Event::InitApply((*p).clone()));
+    }
+    gate.on_policy(&Event::InitDone);
+    gate.on_deployment(&Event::Init);
+    for d in deployments {
+        gate.on_deployment(&Event::InitApply(serde_json::from_value(d.clone()).unwrap()));
+    }
+    gate.on_deployment(&Event::InitDone);
+    gate.on_budget(&Event::Init);
+    for b in budgets {
+        gate.on_budget(&Event::InitApply(serde_json::from_value(b.clone()).unwrap()));
+    }
+    gate.on_budget(&Event::InitDone);
+    gate.on_pod(&Event::Init);
+    for p in pods {
+        gate.on_pod(&Event::InitApply(serde_json::from_value(p.clone()).unwrap()));
+    }
+    gate.on_pod(&Event::InitDone);
+}
+
+/// The one pod writer's patch of the gate condition: a strategic merge on pods/status with the
+/// pod's UID as precondition, then its Event on the pod.
+async fn expect_pod_condition(api: &mut ApiServer, status: &str, reason: &str) -> Value {
+    let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
+    assert_eq!(call.content_type, "application/strategic-merge-patch+json");
+    assert_eq!(call.body["metadata"], json!({"uid": "pod-uid-1"}));
+    let conditions = call.body["status"]["conditions"].as_array().unwrap().clone();
+    assert_eq!(conditions.len(), 1, "only the gate condition is written");
+    assert_eq!(
+        (conditions[0]["type"].as_str(), conditions[0]["status"].as_str(), conditions[0]["reason"].as_str()),
+        (Some("queueguard.io/consumer-attached"), Some(status), Some(reason))
+    );
+    call.respond(StatusCode::OK, &worker_pod(Some(status)));
+    let call = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;
+    let event = call.body.clone();
+    assert_eq!(
+        (event["regarding"]["kind"].as_str(), event["regarding"]["name"].as_str()),
+        (Some("Pod"), Some("worker-abc-1"))
+    );
+    assert_eq!(event["regarding"]["uid"], "pod-uid-1");
+    call.respond(StatusCode::CREATED, &event);
+    conditions[0].clone()
+}
+
+/// Nothing reaches the API for `quiet`.
+async fn expect_silence(api: &mut ApiServer, quiet: Duration) {
+    if let Ok(Some((req, _))) = tokio::time::timeout(quiet, api.0.next_request()).await {
+        let (parts, body) = req.into_parts();
+        let body = body.collect_bytes().await.unwrap();
+        panic!("expected no request, got {} {} {}", parts.method, parts.uri, String::from_utf8_lossy(&body));
+    }
+}
+
+async fn named(connection: &str) -> (lapin::Connection, lapin::Channel) {
+    let props = lapin::ConnectionProperties::default().with_connection_name(connection.into());
+    let conn = lapin::Connection::connect(&broker_uri(), props).await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    (conn, ch)
+}
+
+async fn live_tracker(ctx: &Context) -> Arc<queueguard::consumers::ConsumerTracker> {
     let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
     let tracker = ctx.brokers.tracker(&uri, None).unwrap();
     assert!(tracker.wait_synced("/", Duration::from_secs(10)).await);
@@ -319,13 +382,31 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         })
         .await
     );
-    let plan = plan_of(&p);
+    tracker
+}
+
+async fn declared(p: &QueuePolicy) -> queueguard::plan::QueuePlan {
+    let plan = plan_of(p);
     let pool = queueguard::broker::BrokerPool::new(unique("conn"));
     assert!(
         queueguard::converge::converge(&plan, &broker(&pool, &plan), &[], queueguard::converge::Mode::Declare)
             .await
             .is_ready()
     );
+    plan
+}
+
+/// The gate's writes, exactly: the one writer patches the pod condition (strategic merge on
+/// pods/status with the UID precondition) and tells the pod in an Event as soon as the consumer
+/// is seen; the policy's reconcile reads everything from the watches (no GET or LIST), patches
+/// the Deployment strategy, applies the Deployment's one PDB, then writes status and Events.
+#[tokio::test]
+async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_it_when_it_leaves() {
+    let name = unique("ctrl-gate");
+    let p = with_finalizer(policy_doc(&name, "queue: {}\n  consumers: {deployment: worker, minAttachedSeconds: 0}"));
+    let (ctx, mut api) = harness();
+    let tracker = live_tracker(&ctx).await;
+    let plan = declared(&p).await;
     let (conn, ch) = app().await;
     ch.basic_qos(10, Default::default()).await.unwrap();
     let consumer = ch
@@ -334,30 +415,18 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         .unwrap();
     let key = queueguard::consumers::QueueKey::new("/", &name);
     assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&key).len() == 1 }).await);
+    watched(&ctx, &[&p], &[worker_deployment(json!({"type": "Recreate"}))], &[worker_pod(None)], &[]);
+
+    // Bound to its queue (what the reconcile does first), the pod's consumer is seen at once.
+    ctx.gate.bind(&ObjectKey::of(&p), Ok((tracker.clone(), key.clone())));
+    let written = expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
+    assert!(written["message"].as_str().unwrap().contains("worker-ctag"), "{written}");
+    ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(Some("True"))).unwrap()));
 
     let echo = serde_json::to_value(&p).unwrap();
     let n = name.clone();
     let server = tokio::spawn(async move {
         api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
-        api.expect("GET", "/apis/apps/v1/namespaces/test/deployments/worker")
-            .await
-            .respond(StatusCode::OK, &worker_deployment(json!({"type": "Recreate"})));
-        let list = api.expect("GET", "/api/v1/namespaces/test/pods").await;
-        assert!(list.query.contains("labelSelector=app%3Dworker"), "{}", list.query);
-        list.respond(StatusCode::OK, &worker_pods(None));
-
-        let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
-        assert_eq!(call.content_type, "application/strategic-merge-patch+json");
-        assert_eq!(call.body["metadata"], json!({"uid": "pod-uid-1"}));
-        let conditions = call.body["status"]["conditions"].as_array().unwrap();
-        assert_eq!(conditions.len(), 1, "only the gate condition is written");
-        assert_eq!(
-            (conditions[0]["type"].as_str(), conditions[0]["status"].as_str(), conditions[0]["reason"].as_str()),
-            (Some("queueguard.io/consumer-attached"), Some("True"), Some("ConsumerAttached"))
-        );
-        assert!(conditions[0]["message"].as_str().unwrap().contains("worker-ctag"));
-        call.respond(StatusCode::OK, &worker_pods(Some("True"))["items"][0]);
-
         let call = api.expect("PATCH", "/apis/apps/v1/namespaces/test/deployments/worker").await;
         assert_eq!(call.content_type, "application/strategic-merge-patch+json");
         assert_eq!(
@@ -366,24 +435,15 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         );
         call.respond(StatusCode::OK, &worker_deployment(json!({"type": "RollingUpdate"})));
 
-        let call =
-            api.expect("PATCH", &format!("/apis/policy/v1/namespaces/test/poddisruptionbudgets/{n}-worker")).await;
+        let call = api.expect("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/worker-queueguard").await;
         assert_eq!(call.content_type, "application/apply-patch+yaml");
         assert!(call.query.contains("fieldManager=queueguard") && call.query.contains("force=true"));
         assert_eq!(call.body["spec"], json!({"minAvailable": 1, "selector": {"matchLabels": {"app": "worker"}}}));
+        assert_eq!(call.body["metadata"]["labels"]["queueguard.io/deployment"], "worker");
         let owner = &call.body["metadata"]["ownerReferences"][0];
-        assert_eq!(
-            (owner["kind"].as_str(), owner["name"].as_str(), owner["controller"].as_bool()),
-            (Some("QueuePolicy"), Some(n.as_str()), Some(true))
-        );
+        assert_eq!((owner["kind"].as_str(), owner["name"].as_str()), (Some("QueuePolicy"), Some(n.as_str())));
         let pdb = call.body.clone();
         call.respond(StatusCode::OK, &pdb);
-        let list = api.expect("GET", "/apis/policy/v1/namespaces/test/poddisruptionbudgets").await;
-        assert!(list.query.contains("labelSelector=app.kubernetes.io%2Fmanaged-by%3Dqueueguard"), "{}", list.query);
-        list.respond(
-            StatusCode::OK,
-            &json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudgetList", "metadata": {}, "items": [pdb]}),
-        );
 
         let (status, call) = api.expect_status_patch(&n).await;
         assert_eq!(status["consumers"]["attached"], 1);
@@ -391,6 +451,10 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         assert_eq!(status["consumers"]["tracking"], "Events");
         assert_eq!(status["consumers"]["pods"][0]["gate"], "Open");
         assert_eq!(status["rollout"]["phase"], "Idle");
+        assert_eq!(
+            status["disruptionBudgets"],
+            json!([{"deployment": "worker", "name": "worker-queueguard", "owner": "Managed", "minAvailable": 1}])
+        );
         assert_eq!(condition(&status, "ConsumersAttached")["reason"], "Attached");
         assert_eq!(condition(&status, "RolloutSafe")["reason"], "RolloutGuarded");
         assert_eq!(condition(&status, "Ready")["status"], "True");
@@ -401,55 +465,152 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
             ("PolicyApplied", "Normal"),
             ("Attached", "Normal"),
             ("RolloutGuarded", "Normal"),
-            ("GateOpened", "Normal"),
             ("StrategyPatched", "Normal"),
         ] {
             api.expect_event(reason, kind).await;
         }
-        (api, status)
+        (api, status, pdb)
     });
     run(p.clone(), ctx.clone()).await.unwrap();
-    let (mut api, status) = server.await.unwrap();
+    let (mut api, status, pdb) = server.await.unwrap();
+    ctx.gate.on_budget(&kube::runtime::watcher::Event::Apply(serde_json::from_value(pdb).unwrap()));
+    ctx.gate.on_deployment(&kube::runtime::watcher::Event::Apply(
+        serde_json::from_value(worker_deployment(
+            json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}),
+        ))
+        .unwrap(),
+    ));
 
-    // The consumer leaves: the next pass closes the gate, without re-declaring the queue.
+    // The consumer leaves: the writer closes the gate at once, no reconcile needed.
     drop(consumer);
     ch.basic_cancel("worker-ctag".into(), Default::default()).await.unwrap();
-    assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&key).is_empty() }).await);
+    expect_pod_condition(&mut api, "False", "NoConsumer").await;
+    ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(Some("False"))).unwrap()));
+
+    // The next pass reports it, without re-declaring the queue or touching the PDB again.
     let mut p2 = p.clone();
     p2.status = Some(serde_json::from_value(status).unwrap());
     let echo = serde_json::to_value(&p2).unwrap();
     let n = name.clone();
     let server = tokio::spawn(async move {
         // The first pass's Secret read still serves (controller::secrets).
-        api.expect("GET", "/apis/apps/v1/namespaces/test/deployments/worker").await.respond(
-            StatusCode::OK,
-            &worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}})),
-        );
-        api.expect("GET", "/api/v1/namespaces/test/pods").await.respond(StatusCode::OK, &worker_pods(Some("True")));
-        let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
-        let c = &call.body["status"]["conditions"][0];
-        assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("False"), Some("NoConsumer")));
-        call.respond(StatusCode::OK, &worker_pods(Some("False"))["items"][0]);
-        let call =
-            api.expect("PATCH", &format!("/apis/policy/v1/namespaces/test/poddisruptionbudgets/{n}-worker")).await;
-        let pdb = call.body.clone();
-        call.respond(StatusCode::OK, &pdb);
-        api.expect("GET", "/apis/policy/v1/namespaces/test/poddisruptionbudgets").await.respond(
-            StatusCode::OK,
-            &json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudgetList", "metadata": {}, "items": [pdb]}),
-        );
         let (status, call) = api.expect_status_patch(&n).await;
         assert_eq!(status["consumers"]["attached"], 0);
         assert_eq!(condition(&status, "ConsumersAttached")["reason"], "TooFewAttached");
         assert_eq!(condition(&status, "RolloutSafe")["reason"], "RolloutGuarded");
         assert_eq!(status["rollout"]["phase"], "WaitingForAttach");
+        assert_eq!(status["rollout"]["waitingPods"][0]["waitingFor"], json!([n]));
         call.respond(StatusCode::OK, &echo);
         api.expect_event("TooFewAttached", "Warning").await;
-        api.expect_event("GateClosed", "Normal").await;
+        api
     });
     run(p2, ctx).await.unwrap();
-    server.await.unwrap();
+    let mut api = server.await.unwrap();
+    expect_silence(&mut api, Duration::from_millis(500)).await;
     let _ = conn.close(200, "bye".into()).await;
+    remove_all(&plan).await;
+}
+
+/// A worker reading two queues, each guarded by its own policy: attached to one, its condition
+/// is never written (not one flip while both policies and the consumers change); attached to
+/// both, it is written True once.
+#[tokio::test]
+async fn two_policies_on_one_worker_make_one_verdict_written_once() {
+    let (ctx, mut api) = harness();
+    let tracker = live_tracker(&ctx).await;
+    let (orders, events) = (unique("ctrl-two-a"), unique("ctrl-two-b"));
+    // Every client here connects from 127.0.0.1: the pod is told by its connection name.
+    let consumers = "consumers: {deployment: worker, minAttachedSeconds: 0, matchBy: ConnectionName}";
+    let pa = with_finalizer(policy_doc(&orders, &format!("queue: {{}}\n  {consumers}")));
+    let mut pb = with_finalizer(policy_doc(&events, &format!("queue: {{}}\n  {consumers}")));
+    pb.metadata.uid = Some("8a3c3a52-0000-4000-8000-000000000002".into());
+    let (plan_a, plan_b) = (declared(&pa).await, declared(&pb).await);
+    watched(
+        &ctx,
+        &[&pa, &pb],
+        &[worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}))],
+        &[worker_pod(None)],
+        &[],
+    );
+    let (ka, kb) =
+        (queueguard::consumers::QueueKey::new("/", &orders), queueguard::consumers::QueueKey::new("/", &events));
+    ctx.gate.bind(&ObjectKey::of(&pa), Ok((tracker.clone(), ka.clone())));
+    ctx.gate.bind(&ObjectKey::of(&pb), Ok((tracker.clone(), kb.clone())));
+
+    let (conn, ch) = named("worker-abc-1").await;
+    let _a =
+        ch.basic_consume(orders.as_str().into(), "w-a".into(), Default::default(), Default::default()).await.unwrap();
+    assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&ka).len() == 1 }).await);
+    // Churn on the other queue and pod updates: each wakes both policies' votes.
+    for i in 0..5 {
+        let tag = format!("other-{i}");
+        let (_c2, ch2) = named("someone-else").await; // another client: not the pod's
+        let c = ch2
+            .basic_consume(events.as_str().into(), tag.as_str().into(), Default::default(), Default::default())
+            .await
+            .unwrap();
+        drop(c);
+        ch2.basic_cancel(tag.as_str().into(), Default::default()).await.unwrap();
+        ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(None)).unwrap()));
+    }
+    expect_silence(&mut api, Duration::from_millis(1500)).await;
+    let view = ctx.gate.view(&ObjectKey::of(&pa)).unwrap();
+    assert_eq!(view.pods[0].waiting_for, [events.clone()]);
+
+    let _b =
+        ch.basic_consume(events.as_str().into(), "w-b".into(), Default::default(), Default::default()).await.unwrap();
+    let written = expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
+    let message = written["message"].as_str().unwrap();
+    assert!(message.contains(&orders) && message.contains(&events), "{message}");
+    ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(Some("True"))).unwrap()));
+    expect_silence(&mut api, Duration::from_millis(500)).await;
+    let _ = conn.close(200, "bye".into()).await;
+    remove_all(&plan_a).await;
+    remove_all(&plan_b).await;
+}
+
+/// A PodDisruptionBudget of someone else's already selects the worker's pods: the operator
+/// creates none (the eviction API would refuse every pod covered by two) and says so.
+#[tokio::test]
+async fn no_budget_is_created_beside_anothers_and_status_says_whose_it_is() {
+    let name = unique("ctrl-pdb");
+    let p = with_finalizer(policy_doc(&name, "queue: {}\n  consumers: {deployment: worker}"));
+    let (ctx, mut api) = harness();
+    let tracker = live_tracker(&ctx).await;
+    let plan = declared(&p).await;
+    let theirs = json!({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": "team-budget", "namespace": "test", "uid": "pdb-uid"},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "worker"}}},
+    });
+    let safe =
+        worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}));
+    watched(&ctx, &[&p], &[safe], &[worker_pod(Some("False"))], &[theirs]);
+    ctx.gate.bind(&ObjectKey::of(&p), Ok((tracker, queueguard::consumers::QueueKey::new("/", &name))));
+    let echo = serde_json::to_value(&p).unwrap();
+    let n = name.clone();
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        let (status, call) = api.expect_status_patch(&n).await;
+        assert_eq!(
+            status["disruptionBudgets"],
+            json!([{"deployment": "worker", "name": "team-budget", "owner": "Foreign"}])
+        );
+        call.respond(StatusCode::OK, &echo);
+        for (reason, kind) in [
+            ("Declared", "Normal"),
+            ("Declared", "Normal"),
+            ("PolicyApplied", "Normal"),
+            ("TooFewAttached", "Warning"),
+            ("RolloutGuarded", "Normal"),
+        ] {
+            api.expect_event(reason, kind).await;
+        }
+        let event = api.expect_event("DisruptionBudgetSkipped", "Normal").await;
+        assert!(event["note"].as_str().unwrap().contains("team-budget"), "{event}");
+    });
+    run(p, ctx).await.unwrap();
+    server.await.unwrap();
     remove_all(&plan).await;
 }
 
@@ -483,6 +644,7 @@ async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warn
         .await
     );
 
+    while wakeups.try_recv().is_ok() {} // the first pass's own
     delete_queues(&[&name]).await;
     let woken =
         tokio::time::timeout(Duration::from_secs(5), wakeups.recv()).await.expect("woken by the deletion").unwrap();
