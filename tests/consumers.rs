@@ -271,3 +271,100 @@ fn the_consumers_command_lists_and_watches() {
     assert!(event["time"].as_str().unwrap().ends_with('Z'));
     rt.block_on(delete_queues(&[&name]));
 }
+
+/// `queueguard consumers --watch` started while a client's connection is already open, with two
+/// channels (their `channel.created` came before the subscription): a consumer that was there
+/// before leaves one at once; consumers opened on the other one after another are printed
+/// attaching within 7 s (the first waits for a management snapshot to place its channel; after
+/// that the channel is known) and detaching within 1 s.
+#[test]
+fn the_watch_sees_consumers_come_and_go_on_channels_opened_before_it() {
+    use std::io::BufRead;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let name = unique("cli-early");
+    let (conn, early_ch, ch, early) = rt.block_on(async {
+        declare(&name).await;
+        let (conn, early_ch) = named_app("early-pod").await;
+        let ch = conn.create_channel().await.unwrap();
+        let early = early_ch
+            .basic_consume(name.as_str().into(), "early".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .unwrap();
+        let listed = eventually(Duration::from_secs(15), || async {
+            mgmt_get(&format!("consumers/%2F"))
+                .await
+                .unwrap()
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["consumer_tag"] == "early")
+        });
+        assert!(listed.await);
+        (conn, early_ch, ch, early)
+    });
+    let mut watch = std::process::Command::new(env!("CARGO_BIN_EXE_queueguard"))
+        .args(["consumers", &name, "--watch", "-o", "json"])
+        .envs([("QUEUEGUARD_BROKER_URI", broker_uri()), ("QUEUEGUARD_MANAGEMENT_URI", management_base())])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = watch.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<(std::time::Instant, String)>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send((std::time::Instant::now(), line));
+        }
+    });
+    let (_, listing) = lines.recv_timeout(Duration::from_secs(20)).expect("the initial listing");
+    let listing: serde_json::Value = serde_json::from_str(&listing).unwrap();
+    assert_eq!(listing[0]["tag"], "early", "{listing}");
+    std::thread::sleep(Duration::from_secs(1)); // the event subscription is up
+    let next_event = |within: Duration| -> (Duration, serde_json::Value) {
+        let start = std::time::Instant::now();
+        let (at, line) = lines.recv_timeout(within).unwrap_or_else(|_| panic!("nothing printed within {within:?}"));
+        (at.duration_since(start), serde_json::from_str(&line).unwrap())
+    };
+    let mut figures = Vec::new();
+    rt.block_on(async {
+        drop(early);
+        early_ch.basic_cancel("early".into(), BasicCancelOptions::default()).await.unwrap();
+    });
+    let (detach, event) = next_event(Duration::from_secs(1));
+    assert_eq!((event["event"].as_str(), event["consumer"]["tag"].as_str()), (Some("detached"), Some("early")));
+    figures.push(format!("early: detach printed after {detach:?}"));
+    for i in 0..3 {
+        let tag = format!("c{i}");
+        let consumer = rt.block_on(async {
+            ch.basic_consume(
+                name.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+        });
+        let (attach, event) = next_event(Duration::from_secs(7));
+        assert_eq!(
+            (event["event"].as_str(), event["consumer"]["tag"].as_str()),
+            (Some("attached"), Some(tag.as_str()))
+        );
+        assert_eq!(event["consumer"]["connectionName"], "early-pod");
+        std::thread::sleep(Duration::from_millis(500));
+        rt.block_on(async {
+            drop(consumer);
+            ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await.unwrap();
+        });
+        let (detach, event) = next_event(Duration::from_secs(1));
+        assert_eq!(
+            (event["event"].as_str(), event["consumer"]["tag"].as_str()),
+            (Some("detached"), Some(tag.as_str()))
+        );
+        figures.push(format!("{tag}: attach printed after {attach:?}, detach after {detach:?}"));
+    }
+    eprintln!("{}", figures.join("\n"));
+    let _ = watch.kill();
+    let _ = watch.wait();
+    drop(conn);
+    rt.block_on(delete_queues(&[&name]));
+}

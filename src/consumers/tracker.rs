@@ -144,8 +144,9 @@ impl ConsumerTracker {
         }
     }
 
-    /// How the consumers of `vhost` are seen now.
+    /// How the consumers of `vhost` are seen now (asking starts tracking it).
     pub fn tracking(&self, vhost: &str) -> Tracking {
+        self.track_vhost(vhost);
         let snapshot = lock(&self.vhosts).get(vhost).and_then(|v| v.snapshot.clone());
         combine(lock(&self.events).clone(), snapshot)
     }
