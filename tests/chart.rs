@@ -225,7 +225,34 @@ fn webhook_arguments_and_configuration_agree() {
                 .iter()
                 .any(|r| r.operations.as_ref().unwrap() == &["CREATE"] && r.resources.as_ref().unwrap() == &["pods"])
         );
+        // Opt-in by namespace label: pods elsewhere (kube-system, namespaces without policies)
+        // are never sent to the operator.
+        let selector = hook.namespace_selector.as_ref().expect("a namespaceSelector");
+        let (key, value) = queueguard::webhook::NAMESPACE_LABEL;
+        assert_eq!(
+            selector.match_labels.as_ref().and_then(|l| l.get(key)).map(String::as_str),
+            Some(value),
+            "{values}"
+        );
     }
+}
+
+/// `queueguard check` understands the rendered webhook: a guarded Deployment without the gate
+/// passes in a namespace that opted in, and is an error in one that did not.
+#[test]
+fn check_reads_the_charts_webhook_namespace_selector() {
+    let docs = render(Some("charts/queueguard/ci/all-enabled-values.yaml"), &[]);
+    let config = serde_yaml_ng::to_string(&of_kind(&docs, "MutatingWebhookConfiguration")[0]).unwrap();
+    let workload = "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {name: orders, namespace: shop}\nspec:\n  broker: {secretRef: {name: rabbitmq}}\n  queue: {name: orders}\n  consumers: {deployment: worker}\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {name: worker, namespace: shop}\nspec:\n  replicas: 2\n  strategy: {rollingUpdate: {maxUnavailable: 0, maxSurge: 1}}\n  selector: {matchLabels: {app: worker}}\n  template:\n    metadata: {labels: {app: worker}}\n    spec: {containers: [{name: w, image: w}]}\n";
+    let namespace =
+        |labels: &str| format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: shop, labels: {{{labels}}}}}\n");
+    let findings = |ns: String| {
+        let text = format!("{config}---\n{workload}---\n{ns}");
+        let m = queueguard::check::read::read_str("all.yaml", &text).unwrap();
+        queueguard::check::rules::check(&m).into_iter().map(|f| f.rule.id()).collect::<Vec<_>>()
+    };
+    assert_eq!(findings(namespace("queueguard.io/readiness-gate-inject: enabled")), Vec::<&str>::new());
+    assert_eq!(findings(namespace("team: shop")), ["QG003"]);
 }
 
 /// (group, resource, verb, scope) granted by the rendered Roles and ClusterRoles.

@@ -291,13 +291,7 @@ fn the_watch_sees_consumers_come_and_go_on_channels_opened_before_it() {
             .await
             .unwrap();
         let listed = eventually(Duration::from_secs(15), || async {
-            mgmt_get(&format!("consumers/%2F"))
-                .await
-                .unwrap()
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|c| c["consumer_tag"] == "early")
+            mgmt_get("consumers/%2F").await.unwrap().as_array().unwrap().iter().any(|c| c["consumer_tag"] == "early")
         });
         assert!(listed.await);
         (conn, early_ch, ch, early)

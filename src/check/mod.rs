@@ -82,15 +82,24 @@ pub struct DeploymentDoc {
     pub deployment: Deployment,
 }
 
+/// A webhook of a MutatingWebhookConfiguration: its name, and which namespaces it is called for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WebhookDoc {
+    pub name: String,
+    pub namespace_selector: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>,
+}
+
 /// What the rules look at: every object of the kinds they know, from every input file.
 #[derive(Debug, Clone, Default)]
 pub struct Manifests {
     pub policies: Vec<PolicyDoc>,
     pub patterns: Vec<PatternDoc>,
     pub deployments: Vec<DeploymentDoc>,
-    /// Names of the webhooks of every MutatingWebhookConfiguration (`pods.queueguard.io` is the
+    /// The webhooks of every MutatingWebhookConfiguration (`pods.queueguard.io` is the
     /// operator's own, which adds the readiness gate to guarded pods).
-    pub webhooks: Vec<String>,
+    pub webhooks: Vec<WebhookDoc>,
+    /// Namespaces among the objects, with their labels (what a webhook's namespaceSelector reads).
+    pub namespaces: std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>,
     /// Kubernetes objects seen, of any kind (List items counted one by one).
     pub objects: usize,
 }

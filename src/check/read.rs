@@ -7,7 +7,7 @@
 //! the kind of every object; the second deserialises each object of a known kind straight from
 //! the YAML parser into its type, so a type error carries its line and column too.
 
-use super::{DeploymentDoc, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState};
+use super::{DeploymentDoc, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, WebhookDoc};
 use crate::{
     crd::{API_VERSION, QueuePolicy},
     pattern::crd::QueuePattern,
@@ -18,7 +18,7 @@ use serde::{
     de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor},
 };
 use serde_yaml_ng::Value;
-use std::fmt;
+use std::{collections::BTreeMap, fmt};
 
 /// Input that cannot be read: the file, and where the parser knows it, the line and column.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +102,7 @@ enum Shape {
     },
     Deployment,
     Webhook,
+    Namespace,
     List(Vec<Shape>),
     /// Not a Kubernetes object; the message says why.
     NotAnObject(&'static str),
@@ -139,6 +140,7 @@ fn shape_of(value: &Value) -> Shape {
     match kind.as_str() {
         "Deployment" if api_version == "apps/v1" => Shape::Deployment,
         "MutatingWebhookConfiguration" if api_version.starts_with("admissionregistration.k8s.io/") => Shape::Webhook,
+        "Namespace" if api_version == "v1" => Shape::Namespace,
         k if k == "List" || k.ends_with("List") => match value.get("items") {
             Some(Value::Sequence(items)) => Shape::List(items.iter().map(shape_of).collect()),
             Some(Value::Null) | None => Shape::List(vec![]),
@@ -154,7 +156,8 @@ enum Object {
     Pattern { pattern: Box<QueuePattern>, unknown_fields: Vec<String> },
     Unserved { kind: Custom, api_version: String, name: String, namespace: Option<String> },
     Deployment(Box<Deployment>),
-    Webhook(Vec<String>),
+    Webhook(Vec<WebhookDoc>),
+    Namespace { name: String, labels: BTreeMap<String, String> },
     Other,
 }
 
@@ -203,7 +206,10 @@ pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadErro
             Object::Deployment(d) => {
                 into.deployments.push(DeploymentDoc { id: id("Deployment", &d.metadata), deployment: *d })
             }
-            Object::Webhook(names) => into.webhooks.extend(names),
+            Object::Webhook(hooks) => into.webhooks.extend(hooks),
+            Object::Namespace { name, labels } => {
+                into.namespaces.insert(name, labels);
+            }
             Object::Other => {}
         }
     }
@@ -257,7 +263,21 @@ impl<'de> DeserializeSeed<'de> for Seed<'_> {
             Shape::Deployment => Object::Deployment(Box::new(Deployment::deserialize(d)?)),
             Shape::Webhook => {
                 let config = WebhookConfiguration::deserialize(d)?;
-                Object::Webhook(config.webhooks.unwrap_or_default().into_iter().map(|w| w.name).collect())
+                Object::Webhook(
+                    config
+                        .webhooks
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|w| WebhookDoc { name: w.name, namespace_selector: w.namespace_selector })
+                        .collect(),
+                )
+            }
+            Shape::Namespace => {
+                let ns = k8s_openapi::api::core::v1::Namespace::deserialize(d)?;
+                Object::Namespace {
+                    name: ns.metadata.name.unwrap_or_default(),
+                    labels: ns.metadata.labels.unwrap_or_default(),
+                }
             }
             Shape::List(items) => return d.deserialize_map(ListVisitor { items, out: self.out }),
         };
@@ -275,7 +295,8 @@ fn with_unknown_fields<'de, T: Deserialize<'de>, D: Deserializer<'de>>(d: D) -> 
     Ok((object, unknown_fields))
 }
 
-/// Only what the rules need of a MutatingWebhookConfiguration: its webhooks' names.
+/// Only what the rules need of a MutatingWebhookConfiguration: its webhooks' names and
+/// namespace selectors.
 #[derive(Deserialize)]
 struct WebhookConfiguration {
     #[serde(default)]
@@ -283,8 +304,11 @@ struct WebhookConfiguration {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct NamedWebhook {
     name: String,
+    #[serde(default)]
+    namespace_selector: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>,
 }
 
 /// Fails on a document that is no Kubernetes object, at the document's position.
@@ -466,7 +490,14 @@ mod tests {
     #[test]
     fn webhook_names_are_collected() {
         let text = "apiVersion: admissionregistration.k8s.io/v1\nkind: MutatingWebhookConfiguration\nmetadata: {name: queueguard}\nwebhooks: [{name: pods.queueguard.io, admissionReviewVersions: [v1], sideEffects: None}]\n";
-        assert_eq!(read_str("w.yaml", text).unwrap().webhooks, ["pods.queueguard.io"]);
+        let hooks = read_str("w.yaml", text).unwrap().webhooks;
+        assert_eq!(hooks.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(), ["pods.queueguard.io"]);
+        assert_eq!(hooks[0].namespace_selector, None);
+        let text = "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop, labels: {queueguard.io/readiness-gate-inject: enabled}}\n";
+        assert_eq!(
+            read_str("ns.yaml", text).unwrap().namespaces["shop"]["queueguard.io/readiness-gate-inject"],
+            "enabled"
+        );
     }
 
     #[test]

@@ -16,8 +16,8 @@ use crate::{
     settings::POLICY_PRIORITY,
 };
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::PodSpec};
-use kube::ResourceExt;
-use std::time::Duration;
+use kube::{ResourceExt, core::SelectorExt};
+use std::{collections::BTreeMap, time::Duration};
 
 /// The name of the operator's own mutating webhook, which adds the readiness gate to the pods of
 /// Deployments guarded in Enforce mode.
@@ -106,10 +106,10 @@ impl Rule {
                 "a guarded Deployment whose strategy (Recreate, or maxUnavailable as Kubernetes resolves it) can take its consumers below minAttached"
             }
             Self::MissingReadinessGate => {
-                "a Deployment guarded in gate mode Enforce whose pod template lacks the readiness gate, with no queueguard webhook to add it"
+                "a Deployment guarded in gate mode Enforce whose pod template lacks the readiness gate, with no queueguard webhook called for its namespace to add it"
             }
             Self::GateNeverOpens => {
-                "a pod template carrying the readiness gate while the only policies guarding it are in gate mode Observe: its pods never become Ready"
+                "a pod template carrying the readiness gate while the only policies guarding it are in gate mode Observe: the gate guards nothing, and pods wait on the operator"
             }
             Self::ExpiresShorterThanRollout => {
                 "a queue's expires is shorter than an estimate of how long a rollout of its consumer Deployment can take"
@@ -195,13 +195,22 @@ impl PlannedPattern<'_> {
     }
 }
 
-/// What the rules share: the objects, the valid policies' and patterns' plans, whether the
-/// operator's webhook is among the objects.
+/// What the rules share: the objects, the valid policies' and patterns' plans, the operator's
+/// webhook if it is among the objects.
 pub struct Facts<'a> {
     pub manifests: &'a Manifests,
     pub planned: Vec<Planned<'a>>,
     pub patterns: Vec<PlannedPattern<'a>>,
-    pub webhook: bool,
+    pub webhook: Option<&'a super::WebhookDoc>,
+}
+
+/// Whether the operator's webhook is called for pods of a namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coverage {
+    Covered,
+    NotCovered,
+    /// Its namespaceSelector needs labels of a Namespace that is not among the objects.
+    Unknown,
 }
 
 impl<'a> Facts<'a> {
@@ -226,8 +235,29 @@ impl<'a> Facts<'a> {
                 PatternState::Unserved { .. } => None,
             })
             .collect();
-        let webhook = manifests.webhooks.iter().any(|w| w == OPERATOR_WEBHOOK);
+        let webhook = manifests.webhooks.iter().find(|w| w.name == OPERATOR_WEBHOOK);
         Self { manifests, planned, patterns, webhook }
+    }
+
+    /// Whether the operator's webhook acts in `namespace`, as the API server would decide from
+    /// its namespaceSelector (every namespace carries `kubernetes.io/metadata.name`).
+    fn coverage(&self, namespace: Option<&str>) -> Coverage {
+        let Some(hook) = self.webhook else { return Coverage::NotCovered };
+        let Some(selector) = hook.namespace_selector.clone() else { return Coverage::Covered };
+        let Ok(selector) = kube::core::Selector::try_from(selector) else { return Coverage::NotCovered };
+        let Some(ns) = namespace else {
+            return if selector.selects_all() { Coverage::Covered } else { Coverage::Unknown };
+        };
+        let name_only = BTreeMap::from([("kubernetes.io/metadata.name".to_owned(), ns.to_owned())]);
+        match self.manifests.namespaces.get(ns) {
+            Some(labels) => {
+                let mut labels = labels.clone();
+                labels.extend(name_only);
+                if selector.matches(&labels) { Coverage::Covered } else { Coverage::NotCovered }
+            }
+            None if selector.matches(&name_only) => Coverage::Covered,
+            None => Coverage::Unknown,
+        }
     }
 
     /// The Deployments among the objects that `p` guards, exactly as the operator picks them.
@@ -399,23 +429,42 @@ fn unsafe_rollout_strategy(f: &Facts) -> Vec<Finding> {
     out
 }
 
-/// QG003: Enforce mode without the readiness gate, and no webhook to add it.
+/// QG003: Enforce mode without the readiness gate, and no webhook to add it (none among the
+/// objects, or one whose namespaceSelector leaves the namespace out).
 fn missing_readiness_gate(f: &Facts) -> Vec<Finding> {
-    if f.webhook {
-        return vec![];
-    }
     let mut out = Vec::new();
     for d in f.manifests.deployments.iter().filter(|d| !has_gate(&d.deployment)) {
         let Some(p) = f.guarding(d).into_iter().find(|p| p.enforces()) else { continue };
-        out.push(finding(
-            Rule::MissingReadinessGate,
-            Severity::Error,
-            &d.id,
-            format!(
-                "QueuePolicy '{}' guards it in gate.mode Enforce, but its pod template has no readiness gate {GATE_CONDITION}: its pods turn Ready before their consumer attaches, so rollouts are not gated (the operator reports GateNotInstalled). Add readinessGates: [{{conditionType: {GATE_CONDITION}}}] to spec.template.spec, or install the operator's webhook (Helm value webhook.enabled: true, webhook {OPERATOR_WEBHOOK}), which adds it to new pods.",
-                p.name()
+        let intro = format!(
+            "QueuePolicy '{}' guards it in gate.mode Enforce, but its pod template has no readiness gate {GATE_CONDITION}",
+            p.name()
+        );
+        let ns = d.id.namespace.as_deref();
+        let label = crate::webhook::NAMESPACE_LABEL_TEXT;
+        let (severity, message) = match (f.webhook, f.coverage(ns)) {
+            (_, Coverage::Covered) => continue,
+            (None, _) => (
+                Severity::Error,
+                format!(
+                    "{intro}: its pods turn Ready before their consumer attaches, so rollouts are not gated (the operator reports GateNotInstalled). Add readinessGates: [{{conditionType: {GATE_CONDITION}}}] to spec.template.spec, or install the operator's webhook (Helm value webhook.enabled: true, webhook {OPERATOR_WEBHOOK}) and label the namespace {label}, so it adds the gate to new pods."
+                ),
             ),
-        ));
+            (Some(_), Coverage::NotCovered) => (
+                Severity::Error,
+                format!(
+                    "{intro}, and the webhook {OPERATOR_WEBHOOK} is not called for namespace '{}': its namespaceSelector does not select it. Label the namespace ({label}, the chart's opt-in) or add the readiness gate to the pod template.",
+                    ns.unwrap_or_default()
+                ),
+            ),
+            (Some(_), _) => (
+                Severity::Warning,
+                format!(
+                    "{intro}; the webhook {OPERATOR_WEBHOOK} adds it only in namespaces its namespaceSelector selects, and namespace '{}' is not among the inputs, so whether it carries the label ({label}, the chart's opt-in) cannot be checked.",
+                    ns.unwrap_or("(none given)")
+                ),
+            ),
+        };
+        out.push(finding(Rule::MissingReadinessGate, severity, &d.id, message));
     }
     out
 }
@@ -436,10 +485,10 @@ fn gate_never_opens(f: &Facts) -> Vec<Finding> {
         };
         out.push(finding(
             Rule::GateNeverOpens,
-            Severity::Error,
+            Severity::Warning,
             &d.id,
             format!(
-                "its pod template carries the readiness gate {GATE_CONDITION}, but {policies} in gate.mode Observe, which never sets that condition: its pods would never become Ready, and every rollout would stall. Set gate.mode: Enforce, or remove the readiness gate from the pod template."
+                "its pod template carries the readiness gate {GATE_CONDITION}, but {policies} in gate.mode Observe: the operator sets that condition True without looking at any consumer (reason NotGuarded), so the gate guards nothing, and while the operator is down new pods never become Ready. Set gate.mode: Enforce, or remove the readiness gate from the pod template."
             ),
         ));
     }
@@ -1054,6 +1103,32 @@ mod tests {
         let other_webhook = webhook.replace("pods.queueguard.io", "pods.example.com");
         assert_eq!(found(&(guarding("") + &bare + &other_webhook)), vec![("QG003", "Deployment shop/worker".into())]);
         assert_eq!(found(&(guarding("  gate: {mode: Observe}\n") + &bare)), vec![]);
+    }
+
+    #[test]
+    fn qg003_the_webhook_acts_only_in_namespaces_its_selector_picks() {
+        let bare = deployment("worker", "  replicas: 2\n", "");
+        let webhook = "apiVersion: admissionregistration.k8s.io/v1\nkind: MutatingWebhookConfiguration\nmetadata: {name: queueguard}\nwebhooks:\n- name: pods.queueguard.io\n  namespaceSelector:\n    matchLabels: {queueguard.io/readiness-gate-inject: enabled}\n    matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [queueguard]}]\n";
+        let labelled = "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop, labels: {queueguard.io/readiness-gate-inject: enabled}}\n";
+        let unlabelled = "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n";
+        let base = guarding("") + &bare + webhook;
+        assert_eq!(found(&(base.clone() + "---\n" + labelled)), vec![], "opted in");
+        let f = only(&(base.clone() + "---\n" + unlabelled), Rule::MissingReadinessGate);
+        assert_eq!(f.severity, Severity::Error);
+        assert!(
+            f.message.contains("not called for namespace 'shop'")
+                && f.message.contains(crate::webhook::NAMESPACE_LABEL_TEXT),
+            "{}",
+            f.message
+        );
+        let f = only(&base, Rule::MissingReadinessGate);
+        assert_eq!(f.severity, Severity::Warning, "the namespace is not among the inputs: cannot tell");
+        assert!(f.message.contains("cannot be checked"), "{}", f.message);
+        // A selector that needs no label but the name the API server sets on every namespace.
+        let by_name = webhook.replace("    matchLabels: {queueguard.io/readiness-gate-inject: enabled}\n", "");
+        assert_eq!(found(&(guarding("") + &bare + &by_name)), vec![]);
+        let excluded = by_name.replace("values: [queueguard]", "values: [shop]");
+        assert_eq!(found(&(guarding("") + &bare + &excluded)), vec![("QG003", "Deployment shop/worker".into())]);
     }
 
     #[test]

@@ -822,7 +822,7 @@ impl GateIndex {
         let owners: Vec<(String, String)> = guards.iter().map(|(f, _)| (f.key.name.clone(), f.uid.clone())).collect();
         let min_attached = guards.iter().map(|(_, p)| p.min_attached).max().unwrap_or(1);
         match super::pdb::desired(&d.object, &owners, min_attached) {
-            Some(want) => Budget::Want(want),
+            Some(want) => Budget::Want(Box::new(want)),
             None => Budget::None,
         }
     }
@@ -864,7 +864,7 @@ impl GateIndex {
 /// A Deployment's disruption budget, decided.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Budget {
-    Want(PodDisruptionBudget),
+    Want(Box<PodDisruptionBudget>),
     /// Someone else's budgets already select its pods.
     Foreign(Vec<String>),
     None,

@@ -479,7 +479,7 @@ fn one_budget_per_deployment_with_the_strictest_min_attached_and_none_beside_ano
 
     // The operator's own budget from before is found as one to bring in line.
     i.upsert_budget(budget("orders-worker", true, "worker"));
-    let touching = i.budgets_touching("shop", "uid-orders", &[worker.clone()]);
+    let touching = i.budgets_touching("shop", "uid-orders", std::slice::from_ref(&worker));
     assert_eq!(touching.iter().map(|b| b.key.name.as_str()).collect::<Vec<_>>(), ["orders-worker"]);
 
     // A deleting policy no longer owns it; without any, there is none.

@@ -196,6 +196,28 @@ mod tests {
     }
 
     #[test]
+    fn only_valid_enforcing_policies_add_the_gate() {
+        let req = request(|_| {});
+        let invalid = {
+            let mut p = (*policy("{deployment: order-worker}", "Enforce")).clone();
+            p.spec.queue.expires = "soon".into();
+            Arc::new(p)
+        };
+        let policies = [invalid];
+        let guarding = enforcing(&policies, "shop", "order-worker", None);
+        assert!(guarding.is_empty(), "an invalid policy's gate would never be acted on");
+        assert!(mutate(&req, &guarding).patch.is_none());
+        let mut deleting = (*policy("{deployment: order-worker}", "Enforce")).clone();
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
+        assert!(enforcing(&[Arc::new(deleting)], "shop", "order-worker", None).is_empty());
+        // In a namespace no policy touches, nothing is added (the chart's namespaceSelector keeps
+        // such pods from reaching the webhook at all).
+        let policies = [policy("{deployment: order-worker}", "Enforce")];
+        assert!(mutate(&req, &enforcing(&policies, "billing", "order-worker", None)).patch.is_none());
+    }
+
+    #[test]
     fn label_selected_deployments_need_their_labels() {
         let policies = [policy("{selector: {matchLabels: {tier: consumers}}}", "Enforce")];
         assert!(needs_deployment_labels(&policies, "shop"));
