@@ -555,7 +555,7 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     }
     expect_silence(&mut api, Duration::from_millis(1500)).await;
     let view = ctx.gate.view(&ObjectKey::of(&pa)).unwrap();
-    assert_eq!(view.pods[0].waiting_for, [events.clone()]);
+    assert_eq!(view.pods[0].waiting_for, std::slice::from_ref(&events));
 
     let _b =
         ch.basic_consume(events.as_str().into(), "w-b".into(), Default::default(), Default::default()).await.unwrap();
