@@ -362,3 +362,37 @@ fn the_watch_sees_consumers_come_and_go_on_channels_opened_before_it() {
     drop(conn);
     rt.block_on(delete_queues(&[&name]));
 }
+
+/// One vhost the broker user may not read makes only that vhost's tracking Unavailable, naming
+/// the read that failed; the others stay live.
+#[tokio::test]
+async fn a_vhost_the_user_cannot_read_leaves_the_others_tracked() {
+    let user = unique("vhostless").replace('.', "-");
+    let vhost = unique("vh").replace('.', "-");
+    mgmt_put(&format!("vhosts/{}", enc(&vhost)), json!({})).await;
+    mgmt_put(&format!("users/{}", enc(&user)), json!({"password": "pw-vh", "tags": "management"})).await;
+    mgmt_put(&format!("permissions/%2F/{}", enc(&user)), json!({"configure": ".*", "write": ".*", "read": ".*"})).await;
+    let with_user = |base: &str| {
+        let mut u = url::Url::parse(base).unwrap();
+        u.set_username(&user).unwrap();
+        u.set_password(Some("pw-vh")).unwrap();
+        u.to_string()
+    };
+    let pool = BrokerPool::new(unique("tracker"));
+    let t = pool
+        .tracker(&BrokerUri::parse(&with_user(&broker_uri()), Some(&with_user(&management_base()))).unwrap(), None)
+        .unwrap();
+    t.track_vhost(&vhost);
+    assert!(
+        eventually(Duration::from_secs(10), || async { t.tracking("/") == Tracking::Events }).await,
+        "{:?}",
+        t.tracking("/")
+    );
+    let denied = eventually(Duration::from_secs(10), || async {
+        matches!(t.tracking(&vhost), Tracking::Unavailable(why) if why.contains(&format!("reading the queues of vhost '{vhost}'")) && why.contains("401"))
+    });
+    assert!(denied.await, "{vhost}: {}", t.tracking(&vhost));
+    assert_eq!(t.tracking("/"), Tracking::Events, "the readable vhost stays live");
+    mgmt_delete(&format!("users/{}", enc(&user))).await;
+    mgmt_delete(&format!("vhosts/{}", enc(&vhost))).await;
+}

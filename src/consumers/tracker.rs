@@ -260,9 +260,10 @@ impl ConsumerTracker {
     async fn read(&self, vhost: &str) -> Result<(), String> {
         let m = &self.broker.management;
         let watched: Vec<QueueKey> = lock(&self.watched).keys().filter(|q| q.vhost == vhost).cloned().collect();
-        let queue_names = async { if watched.is_empty() { Ok(vec![]) } else { m.queue_names(vhost).await } };
+        // The queue list also proves the vhost readable: the management API lists the consumers
+        // of a vhost the user may not access as none at all.
         let (consumers, connections, queues) =
-            tokio::join!(m.consumers_in(vhost), m.connections_in(vhost), queue_names);
+            tokio::join!(m.consumers_in(vhost), m.connections_in(vhost), m.queue_names(vhost));
         let consumers = consumers.map_err(|e| format!("reading the consumers of vhost '{vhost}': {e}"))?;
         let present: HashSet<String> =
             queues.map_err(|e| format!("reading the queues of vhost '{vhost}': {e}"))?.into_iter().collect();
