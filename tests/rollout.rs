@@ -27,6 +27,7 @@ async fn ten_guarded_rolling_restarts_lose_nothing_and_never_delete_the_queue() 
     assert_eq!(report.queue_deletions, 0, "{report:?}");
     assert_eq!(report.premature_opens, 0, "no gate opened before its consumer attached: {report:?}");
     assert!(report.longest_gate_wait.is_some());
+    assert!(report.fewest_consumers[0] >= 1, "{report:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,6 +37,20 @@ async fn the_same_restarts_on_an_auto_delete_queue_without_the_gate_lose_message
     assert!(report.queue_deletions > 0, "the last consumer leaving deletes the queue: {report:?}");
     assert!(report.lost > 0, "and the messages with it: {report:?}");
     assert_eq!(report.longest_gate_wait, None);
+}
+
+/// A worker reading two queues, each guarded by its own QueuePolicy: its pods turn Ready only
+/// once they read both, so both queues keep a consumer through every restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_two_guarded_queues_keeps_a_consumer_on_each_through_every_restart() {
+    let scenario = Scenario { queues: 2, ..Scenario::new(true, 2, 6) };
+    let report = simulation::run(&scenario, &uri()).await.unwrap();
+    eprintln!("{}", simulation::table(std::slice::from_ref(&report)));
+    assert_eq!(report.fewest_consumers.len(), 2);
+    assert!(report.fewest_consumers.iter().all(|n| *n >= 1), "a moment with a queue unread: {report:?}");
+    assert_eq!((report.lost, report.queue_deletions, report.premature_opens), (0, 0, 0), "{report:?}");
+    let naive = simulation::run(&Scenario { queues: 2, ..Scenario::new(false, 2, 6) }, &uri()).await.unwrap();
+    assert!(naive.fewest_consumers.contains(&0), "without the gate a queue goes unread: {naive:?}");
 }
 
 #[test]
@@ -52,6 +67,6 @@ fn the_demo_command_prints_both_scenarios_and_exits_0() {
     assert!(lines[0].starts_with("scenario") && lines[0].contains("lost") && lines[0].contains("longest gate wait"));
     assert!(lines[1].starts_with("guarded") && lines[2].starts_with("auto-delete"), "{table}");
     let lost: Vec<u64> =
-        lines[1..].iter().map(|l| l.split_whitespace().rev().nth(3).unwrap().parse().unwrap()).collect();
+        lines[1..].iter().map(|l| l.split_whitespace().rev().nth(4).unwrap().parse().unwrap()).collect();
     assert_eq!(lost[0], 0, "{table}");
 }
