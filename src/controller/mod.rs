@@ -107,15 +107,26 @@ pub struct Context {
     /// The rollout gate: its index, the pod condition writer, and what wakes policies.
     pub gate: Arc<Gate>,
     wake_rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>>>,
-    /// The last broker-side outcome per policy, reused by passes that only the gate needs
-    /// (a consumer attached): re-declaring on every consumer event would load the broker for
-    /// nothing and slow the gate down.
-    converged: Mutex<HashMap<ObjectRef<QueuePolicy>, Converged>>,
-    /// What the findings remember between looks, and when each policy was last looked at.
-    looked: Mutex<HashMap<ObjectRef<QueuePolicy>, (findings::Memory, Instant)>>,
+    /// What the operator keeps about each policy between reconciles; removed with the policy.
+    memos: Mutex<HashMap<ObjectRef<QueuePolicy>, Memo>>,
     /// What the QueuePattern watch remembers between looks.
     watched: pattern::Watched,
     secrets: secrets::Secrets,
+}
+
+/// What the operator keeps about one policy between reconciles.
+#[derive(Default)]
+struct Memo {
+    /// The last broker-side outcome, reused by passes that only the gate needs (a consumer
+    /// attached): re-declaring on every consumer event would load the broker for nothing and
+    /// slow the gate down.
+    converged: Option<Converged>,
+    /// What the findings remember between looks, and when the last look was.
+    looked: Option<(findings::Memory, Instant)>,
+    /// The status last written, with the policy's uid. The watch cache can still hold an older
+    /// one when the next pass starts; built on that, the pass would undo the last one's work
+    /// (the findings' conditions it keeps between looks) and write status again.
+    written: Option<(String, QueuePolicyStatus)>,
 }
 
 struct Converged {
@@ -142,8 +153,7 @@ impl Context {
             limits,
             gate,
             wake_rx: Mutex::new(Some(wake_rx)),
-            converged: Mutex::default(),
-            looked: Mutex::default(),
+            memos: Mutex::default(),
             watched: Mutex::default(),
             secrets: secrets::Secrets::default(),
         }
@@ -365,9 +375,10 @@ pub fn error_policy(policy: Arc<QueuePolicy>, error: &Error, _ctx: Arc<Context>)
 }
 
 async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
-    let previous = policy.status.as_ref();
-    let generation = policy.metadata.generation;
     let me = ObjectRef::from_obj(policy);
+    let previous = last_written(ctx, policy).or_else(|| policy.status.clone());
+    let previous = previous.as_ref();
+    let generation = policy.metadata.generation;
     let mut events = Vec::new();
     let planned = plan::plan(policy, ctx.limits);
     ctx.gate.upsert_policy(policy);
@@ -454,8 +465,8 @@ async fn look(
     tracker: Option<&crate::consumers::ConsumerTracker>,
 ) -> Option<findings::Report> {
     let memory = {
-        let looked = ctx.looked.lock().unwrap_or_else(|p| p.into_inner());
-        match looked.get(me) {
+        let memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+        match memos.get(me).and_then(|m| m.looked.as_ref()) {
             Some((_, at)) if at.elapsed() < FINDINGS_EVERY => return None,
             Some((memory, _)) => memory.clone(),
             None => findings::Memory::default(),
@@ -469,7 +480,8 @@ async fn look(
         }
     };
     let (memory, report) = findings::evaluate(&memory, &seen, &plan.findings);
-    ctx.looked.lock().unwrap_or_else(|p| p.into_inner()).insert(me.clone(), (memory, Instant::now()));
+    ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).entry(me.clone()).or_default().looked =
+        Some((memory, Instant::now()));
     Some(report)
 }
 
@@ -480,8 +492,8 @@ fn recent_outcome(
     generation: Option<i64>,
     plan: &QueuePlan,
 ) -> Option<Outcome> {
-    let converged = ctx.converged.lock().unwrap_or_else(|p| p.into_inner());
-    let c = converged.get(me)?;
+    let memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    let c = memos.get(me)?.converged.as_ref()?;
     let fresh = c.generation == generation
         && c.outcome.is_ready()
         && reconcile::requeue_after(Some(plan), &c.outcome).is_some_and(|renew| c.at.elapsed() < renew);
@@ -489,8 +501,9 @@ fn recent_outcome(
 }
 
 fn remember(ctx: &Context, me: &ObjectRef<QueuePolicy>, generation: Option<i64>, outcome: &Outcome) {
-    let mut converged = ctx.converged.lock().unwrap_or_else(|p| p.into_inner());
-    converged.insert(me.clone(), Converged { generation, at: Instant::now(), outcome: outcome.clone() });
+    let mut memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    memos.entry(me.clone()).or_default().converged =
+        Some(Converged { generation, at: Instant::now(), outcome: outcome.clone() });
 }
 
 /// Deleting a QueuePolicy: Retain leaves everything; Delete removes an empty, unused queue.
@@ -504,8 +517,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     }
     ctx.gate.forget_policy(&ObjectKey::of(policy));
     ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
-    ctx.converged.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
-    ctx.looked.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
+    ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
     let Ok(plan) = plan::plan(policy, ctx.limits) else {
         // Never declared anything from an invalid spec: nothing to clean.
         return Ok(Action::await_change());
@@ -587,6 +599,13 @@ pub(crate) async fn endpoint(
     Ok(secret::credentials(&found).and_then(|creds| reconcile::endpoint(&ctx.brokers, secret_name, vhost, &creds)))
 }
 
+/// The status this operator last wrote for this very policy (same uid), if any.
+fn last_written(ctx: &Context, policy: &QueuePolicy) -> Option<QueuePolicyStatus> {
+    let memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    let (uid, status) = memos.get(&ObjectRef::from_obj(policy))?.written.as_ref()?;
+    (Some(uid.as_str()) == policy.uid().as_deref()).then(|| status.clone())
+}
+
 /// Patches `.status` (server-side apply, one field manager) only when it changed, then publishes
 /// an Event per condition transition.
 async fn write_status(
@@ -595,13 +614,17 @@ async fn write_status(
     status: QueuePolicyStatus,
     ctx: &Context,
 ) -> Result<(), Error> {
-    if previous == Some(&status) {
+    // Compared as the API stores it: times there have whole seconds, so an in-memory time with
+    // milliseconds would otherwise differ on every pass and patch status each time.
+    if previous.map(serde_json::to_value).and_then(Result::ok) == serde_json::to_value(&status).ok() {
         return Ok(());
     }
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
     let api: Api<QueuePolicy> = Api::namespaced(ctx.client.clone(), &ns);
     let patch = json!({ "apiVersion": API_VERSION, "kind": "QueuePolicy", "status": status });
     api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+    ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).entry(ObjectRef::from_obj(policy)).or_default().written =
+        Some((policy.uid().unwrap_or_default(), status.clone()));
     let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
     for event in events::transitions(old, &status.conditions) {
         publish_for(policy, ctx, &event).await;

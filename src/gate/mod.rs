@@ -299,8 +299,9 @@ fn rolling_out(d: &Deployment) -> bool {
     !generation_seen || updated < want || total > want
 }
 
+/// A status time, in whole seconds as the API stores it.
 fn time(ms: i64) -> Time {
-    Time(Timestamp::from_millisecond(ms).unwrap_or(Timestamp::UNIX_EPOCH))
+    Time(Timestamp::from_second(ms.div_euclid(1000)).unwrap_or(Timestamp::UNIX_EPOCH))
 }
 
 fn rfc3339(ms: i64) -> String {
