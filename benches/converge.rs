@@ -10,9 +10,12 @@
 //! AMQP round trips are counted by a proxy in front of the broker that reads the client's method
 //! frames. Ends with one `key=value` summary line.
 
+mod common;
+
+use common::{base64, rss_mib};
 use futures::StreamExt;
-use http::{Request, Response, StatusCode};
-use kube::{Client, client::Body};
+use http::StatusCode;
+use kube::Client;
 use lapin::{
     Connection, ConnectionProperties, ExchangeKind,
     options::*,
@@ -25,7 +28,6 @@ use queueguard::{
 use serde_json::{Value, json};
 use std::{
     collections::HashMap,
-    convert::Infallible,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -84,18 +86,7 @@ impl FakeApi {
 
     fn client(&self) -> Client {
         let api = self.clone();
-        let service = tower::service_fn(move |req: Request<Body>| {
-            let api = api.clone();
-            async move {
-                let (parts, body) = req.into_parts();
-                let bytes = body.collect_bytes().await.unwrap_or_default();
-                let (status, answer) = api.answer(parts.method.as_str(), parts.uri.path(), &bytes);
-                Ok::<_, Infallible>(
-                    Response::builder().status(status).body(Body::from(serde_json::to_vec(&answer).unwrap())).unwrap(),
-                )
-            }
-        });
-        Client::new(service, "default")
+        common::client(move |method, path, body| api.answer(method, path, body))
     }
 }
 
@@ -161,18 +152,6 @@ fn policy(name: &str, queue: &str, mode: &str) -> Value {
         // 1,000 takes 40 minutes), so no queue expires mid-run.
         "spec": {"broker": {"secretRef": {"name": "rabbitmq"}}, "queue": {"name": queue, "settings": mode, "expires": "4h"}}
     })
-}
-
-/// VmHWM (peak) or VmRSS (now) of this process, in MiB.
-fn rss_mib(field: &str) -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    kib / 1024.0
 }
 
 async fn reconcile_all(ctx: &Arc<Context>, policies: Vec<QueuePolicy>) -> usize {
@@ -371,9 +350,4 @@ async fn remove(conn: &Connection, management: &Management<'_>, items: impl Iter
     for policy in policies {
         management.delete_policy(&policy).await;
     }
-}
-
-fn base64(s: &str) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(s)
 }

@@ -15,12 +15,14 @@
 //! Deployments, named with every pod of them, and matched to pods by connection name
 //! (`consumers.matchBy: ConnectionName`); a rolled-out pod gets a connection of its own.
 
+mod common;
+
+use common::{base64, rss_mib};
 use futures::StreamExt;
-use http::{Request, Response, StatusCode};
+use http::StatusCode;
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget};
 use kube::{
     Client,
-    client::Body,
     runtime::{Controller, Predicate, WatchStreamExt, predicates, reflector, watcher},
 };
 use queueguard::{
@@ -30,7 +32,6 @@ use queueguard::{
 use serde_json::{Value, json};
 use std::{
     collections::{BTreeMap, HashMap},
-    convert::Infallible,
     io::{BufRead, Write},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -149,18 +150,7 @@ impl FakeApi {
 
     fn client(&self) -> Client {
         let api = self.clone();
-        let service = tower::service_fn(move |req: Request<Body>| {
-            let api = api.clone();
-            async move {
-                let (parts, body) = req.into_parts();
-                let bytes = body.collect_bytes().await.unwrap_or_default();
-                let (status, answer) = api.answer(parts.method.as_str(), parts.uri.path(), &bytes);
-                Ok::<_, Infallible>(
-                    Response::builder().status(status).body(Body::from(serde_json::to_vec(&answer).unwrap())).unwrap(),
-                )
-            }
-        });
-        Client::new(service, "default")
+        common::client(move |method, path, body| api.answer(method, path, body))
     }
 
     /// Every request but reads (the Secret reads that reconciles make on their own schedule).
@@ -239,23 +229,6 @@ fn policy(namespace: &str, name: &str, queue: &str, deployment: &str) -> QueuePo
                  "consumers": {"deployment": deployment, "minAttachedSeconds": 0, "matchBy": "ConnectionName"}},
     }))
     .unwrap()
-}
-
-/// VmHWM (peak) or VmRSS (now) of this process, in MiB.
-fn rss_mib(field: &str) -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    kib / 1024.0
-}
-
-fn base64(s: &str) -> String {
-    use base64::Engine;
-    base64::engine::general_purpose::STANDARD.encode(s)
 }
 
 /// The consumer host: a child process that opens connections and consumers on command, one
@@ -390,9 +363,9 @@ async fn roll(
     let hash = format!("r{revision}");
     let apply_pod = |namespace: &str, p: Pod| {
         api.pods.lock().unwrap().insert((namespace.to_owned(), p.metadata.name.clone().unwrap()), p.clone());
-        ctx.gate.on_pod(&watcher::Event::Apply(p));
+        ctx.gate.on(&watcher::Event::Apply(p));
     };
-    ctx.gate.on_deployment(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision) - 1)));
+    ctx.gate.on(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision) - 1)));
     let mut latencies = Vec::new();
     let old = std::mem::take(&mut w.pods);
     for (i, old_name) in old.iter().enumerate() {
@@ -418,8 +391,8 @@ async fn roll(
         if let Some(mut p) = gone {
             p.metadata.deletion_timestamp =
                 Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
-            ctx.gate.on_pod(&watcher::Event::Apply(p.clone()));
-            ctx.gate.on_pod(&watcher::Event::Delete(p));
+            ctx.gate.on(&watcher::Event::Apply(p.clone()));
+            ctx.gate.on(&watcher::Event::Delete(p));
         }
         w.pods.push(name);
     }
@@ -429,7 +402,7 @@ async fn roll(
     if std::mem::take(&mut w.on_group_connection) {
         host.send(&cancels);
     }
-    ctx.gate.on_deployment(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision))));
+    ctx.gate.on(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision))));
     latencies
 }
 
@@ -513,16 +486,16 @@ async fn main() {
     }
     let _ = policy_tx.send(watcher::Event::InitDone);
     let gate = ctx.gate.clone();
-    gate.on_deployment(&watcher::Event::Init);
+    gate.on(&watcher::Event::<Deployment>::Init);
     for d in deployments {
-        gate.on_deployment(&watcher::Event::InitApply(d));
+        gate.on(&watcher::Event::InitApply(d));
     }
-    gate.on_deployment(&watcher::Event::InitDone);
-    gate.on_budget(&watcher::Event::Init);
-    gate.on_budget(&watcher::Event::InitDone);
-    gate.on_pod(&watcher::Event::Init);
+    gate.on(&watcher::Event::<Deployment>::InitDone);
+    gate.on(&watcher::Event::<PodDisruptionBudget>::Init);
+    gate.on(&watcher::Event::<PodDisruptionBudget>::InitDone);
+    gate.on(&watcher::Event::<Pod>::Init);
     for p in pods {
-        gate.on_pod(&watcher::Event::InitApply(p));
+        gate.on(&watcher::Event::InitApply(p));
     }
     // The watches: what the API stores comes back, as a real watch would deliver it.
     let (g, policy_echo) = (ctx.gate.clone(), policy_tx.clone());
@@ -532,8 +505,8 @@ async fn main() {
                 Echo::Policy(p) => {
                     let _ = policy_echo.send(watcher::Event::Apply(*p));
                 }
-                Echo::Pod(p) => g.on_pod(&watcher::Event::Apply(*p)),
-                Echo::Budget(b) => g.on_budget(&watcher::Event::Apply(*b)),
+                Echo::Pod(p) => g.on(&watcher::Event::Apply(*p)),
+                Echo::Budget(b) => g.on(&watcher::Event::Apply(*b)),
             }
         }
     });
@@ -542,7 +515,7 @@ async fn main() {
     let watch = futures::stream::unfold(policy_rx, |mut rx| async { rx.recv().await.map(|e| (Ok(e), rx)) })
         .inspect(move |e: &Result<watcher::Event<QueuePolicy>, watcher::Error>| {
             if let Ok(e) = e {
-                g.on_policy(e);
+                g.on(e);
             }
         })
         .reflect(writer)
@@ -551,7 +524,7 @@ async fn main() {
     let wakes = ctx.take_trigger_receiver().unwrap();
     let wakes = futures::stream::unfold(wakes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
     let started = Instant::now();
-    gate.on_pod(&watcher::Event::InitDone);
+    gate.on(&watcher::Event::<Pod>::InitDone);
     let controller = Controller::for_stream(watch, store)
         .reconcile_on(wakes)
         .with_config(kube::runtime::controller::Config::default().concurrency(controller::CONCURRENCY))

@@ -6,7 +6,14 @@ mod common;
 
 use common::{api::*, *};
 use http::StatusCode;
-use k8s_openapi::{ByteString, api::core::v1::Secret};
+use k8s_openapi::{
+    ByteString,
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Pod, Secret},
+        policy::v1::PodDisruptionBudget,
+    },
+};
 use kube::runtime::controller::Action;
 use queueguard::{
     controller::{self, Context, FINALIZER},
@@ -310,26 +317,26 @@ fn worker_pod(gate: Option<&str>) -> Value {
 fn watched(ctx: &Context, policies: &[&QueuePolicy], deployments: &[Value], pods: &[Value], budgets: &[Value]) {
     use kube::runtime::watcher::Event;
     let gate = &ctx.gate;
-    gate.on_policy(&Event::Init);
+    gate.on(&Event::<QueuePolicy>::Init);
     for p in policies {
-        gate.on_policy(&Event::InitApply((*p).clone()));
+        gate.on(&Event::InitApply((*p).clone()));
     }
-    gate.on_policy(&Event::InitDone);
-    gate.on_deployment(&Event::Init);
+    gate.on(&Event::<QueuePolicy>::InitDone);
+    gate.on(&Event::<Deployment>::Init);
     for d in deployments {
-        gate.on_deployment(&Event::InitApply(serde_json::from_value(d.clone()).unwrap()));
+        gate.on(&Event::InitApply(serde_json::from_value::<Deployment>(d.clone()).unwrap()));
     }
-    gate.on_deployment(&Event::InitDone);
-    gate.on_budget(&Event::Init);
+    gate.on(&Event::<Deployment>::InitDone);
+    gate.on(&Event::<PodDisruptionBudget>::Init);
     for b in budgets {
-        gate.on_budget(&Event::InitApply(serde_json::from_value(b.clone()).unwrap()));
+        gate.on(&Event::InitApply(serde_json::from_value::<PodDisruptionBudget>(b.clone()).unwrap()));
     }
-    gate.on_budget(&Event::InitDone);
-    gate.on_pod(&Event::Init);
+    gate.on(&Event::<PodDisruptionBudget>::InitDone);
+    gate.on(&Event::<Pod>::Init);
     for p in pods {
-        gate.on_pod(&Event::InitApply(serde_json::from_value(p.clone()).unwrap()));
+        gate.on(&Event::InitApply(serde_json::from_value::<Pod>(p.clone()).unwrap()));
     }
-    gate.on_pod(&Event::InitDone);
+    gate.on(&Event::<Pod>::InitDone);
 }
 
 /// The one pod writer's patch of the gate condition: a strategic merge on pods/status with the
@@ -421,7 +428,8 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     ctx.gate.bind(&ObjectKey::of(&p), Ok((tracker.clone(), key.clone())));
     let written = expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
     assert!(written["message"].as_str().unwrap().contains("worker-ctag"), "{written}");
-    ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(Some("True"))).unwrap()));
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("True"))).unwrap()));
 
     let echo = serde_json::to_value(&p).unwrap();
     let n = name.clone();
@@ -473,9 +481,9 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     });
     run(p.clone(), ctx.clone()).await.unwrap();
     let (mut api, status, pdb) = server.await.unwrap();
-    ctx.gate.on_budget(&kube::runtime::watcher::Event::Apply(serde_json::from_value(pdb).unwrap()));
-    ctx.gate.on_deployment(&kube::runtime::watcher::Event::Apply(
-        serde_json::from_value(worker_deployment(
+    ctx.gate.on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<PodDisruptionBudget>(pdb).unwrap()));
+    ctx.gate.on(&kube::runtime::watcher::Event::Apply(
+        serde_json::from_value::<Deployment>(worker_deployment(
             json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}),
         ))
         .unwrap(),
@@ -485,7 +493,8 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     drop(consumer);
     ch.basic_cancel("worker-ctag".into(), Default::default()).await.unwrap();
     expect_pod_condition(&mut api, "False", "NoConsumer").await;
-    ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(Some("False"))).unwrap()));
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("False"))).unwrap()));
 
     // The next pass reports it, without re-declaring the queue or touching the PDB again.
     let mut p2 = p.clone();
@@ -551,7 +560,7 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
             .unwrap();
         drop(c);
         ch2.basic_cancel(tag.as_str().into(), Default::default()).await.unwrap();
-        ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(None)).unwrap()));
+        ctx.gate.on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(None)).unwrap()));
     }
     expect_silence(&mut api, Duration::from_millis(1500)).await;
     let view = ctx.gate.view(&ObjectKey::of(&pa)).unwrap();
@@ -562,7 +571,8 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     let written = expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
     let message = written["message"].as_str().unwrap();
     assert!(message.contains(&orders) && message.contains(&events), "{message}");
-    ctx.gate.on_pod(&kube::runtime::watcher::Event::Apply(serde_json::from_value(worker_pod(Some("True"))).unwrap()));
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("True"))).unwrap()));
     expect_silence(&mut api, Duration::from_millis(500)).await;
     let _ = conn.close(200, "bye".into()).await;
     remove_all(&plan_a).await;

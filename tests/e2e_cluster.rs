@@ -169,7 +169,7 @@ async fn rolling_restarts_on_a_real_cluster_keep_the_queue_and_every_message() {
     let strategy = d.spec.unwrap().strategy.unwrap();
     assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"), "the Recreate strategy was made safe");
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
-    let pdb = pdbs.get("orders-worker").await.expect("the PDB exists");
+    let pdb = pdbs.get("worker-queueguard").await.expect("the Deployment's one PDB exists");
     assert_eq!(
         pdb.spec.unwrap().min_available,
         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))

@@ -52,12 +52,12 @@ pub struct Gate {
     wake: mpsc::UnboundedSender<ObjectRef<QueuePolicy>>,
     timer: Arc<Notify>,
     synced: watch::Sender<bool>,
-    /// Objects of a watch's re-list, until its end says which others are gone.
     relists: Mutex<Relists>,
 }
 
+/// Objects of a watch's re-list, until its end says which others are gone.
 #[derive(Default)]
-struct Relists {
+pub struct Relists {
     policies: Option<Vec<PolicyFacts>>,
     deployments: Option<Vec<DeploymentFacts>>,
     pods: Option<Vec<PodFacts>>,
@@ -184,80 +184,114 @@ impl Gate {
 
     // ---- Watches ----
 
-    pub fn on_policy(&self, event: &watcher::Event<QueuePolicy>) {
-        let limits = self.limits;
-        let facts = |p: &QueuePolicy| PolicyFacts::from_policy(p, limits);
-        match event {
-            watcher::Event::Apply(p) => {
-                let f = facts(p);
-                self.update(|i| i.upsert_policy(f));
-            }
-            watcher::Event::Delete(p) => self.update(|i| i.remove_policy(&ObjectKey::of(p))),
-            watcher::Event::Init => lock(&self.relists).policies = Some(vec![]),
-            watcher::Event::InitApply(p) => lock(&self.relists).policies.get_or_insert_default().push(facts(p)),
-            watcher::Event::InitDone => {
-                let all = lock(&self.relists).policies.take().unwrap_or_default();
-                self.update(|i| i.replace_policies(all));
-            }
-        }
-    }
-
-    pub fn on_deployment(&self, event: &watcher::Event<Deployment>) {
-        match event {
-            watcher::Event::Apply(d) => {
-                let f = DeploymentFacts::from_deployment(d);
-                self.update(|i| i.upsert_deployment(f));
-            }
-            watcher::Event::Delete(d) => self.update(|i| i.remove_deployment(&ObjectKey::of(d))),
-            watcher::Event::Init => lock(&self.relists).deployments = Some(vec![]),
-            watcher::Event::InitApply(d) => {
-                lock(&self.relists).deployments.get_or_insert_default().push(DeploymentFacts::from_deployment(d))
-            }
-            watcher::Event::InitDone => {
-                let all = lock(&self.relists).deployments.take().unwrap_or_default();
-                self.update(|i| i.replace_deployments(all));
-            }
-        }
-    }
-
-    pub fn on_pod(&self, event: &watcher::Event<Pod>) {
+    /// One watch event of a kind the index keeps. A re-list (`Init` … `InitDone`) is gathered
+    /// and then replaces what the index holds of that kind: objects deleted while the watch was
+    /// down are gone.
+    pub fn on<K: Watched>(&self, event: &watcher::Event<K>) {
         let now = now_ms();
         match event {
-            watcher::Event::Apply(p) => {
-                let f = PodFacts::from_pod(p);
-                self.update(|i| i.upsert_pod(f, now));
+            watcher::Event::Apply(o) => {
+                let facts = o.facts(self.limits);
+                self.update(|i| K::upsert(i, facts, now));
             }
-            watcher::Event::Delete(p) => {
-                let uid = p.uid().unwrap_or_default();
-                self.update(|i| i.remove_pod(&uid));
-            }
-            watcher::Event::Init => lock(&self.relists).pods = Some(vec![]),
-            watcher::Event::InitApply(p) => {
-                lock(&self.relists).pods.get_or_insert_default().push(PodFacts::from_pod(p))
+            watcher::Event::Delete(o) => self.update(|i| K::remove(i, o)),
+            watcher::Event::Init => *K::relist(&mut lock(&self.relists)) = Some(vec![]),
+            watcher::Event::InitApply(o) => {
+                let facts = o.facts(self.limits);
+                K::relist(&mut lock(&self.relists)).get_or_insert_default().push(facts);
             }
             watcher::Event::InitDone => {
-                let all = lock(&self.relists).pods.take().unwrap_or_default();
-                self.update(|i| i.replace_pods(all, now));
+                let all = K::relist(&mut lock(&self.relists)).take().unwrap_or_default();
+                self.update(|i| K::replace(i, all, now));
             }
         }
     }
+}
 
-    pub fn on_budget(&self, event: &watcher::Event<PodDisruptionBudget>) {
-        match event {
-            watcher::Event::Apply(b) => {
-                let f = BudgetFacts::from_budget(b);
-                self.update(|i| i.upsert_budget(f));
-            }
-            watcher::Event::Delete(b) => self.update(|i| i.remove_budget(&ObjectKey::of(b))),
-            watcher::Event::Init => lock(&self.relists).budgets = Some(vec![]),
-            watcher::Event::InitApply(b) => {
-                lock(&self.relists).budgets.get_or_insert_default().push(BudgetFacts::from_budget(b))
-            }
-            watcher::Event::InitDone => {
-                let all = lock(&self.relists).budgets.take().unwrap_or_default();
-                self.update(|i| i.replace_budgets(all));
-            }
-        }
+/// A watched kind, as the index takes it.
+pub trait Watched: Sized {
+    type Facts;
+    fn facts(&self, limits: Limits) -> Self::Facts;
+    fn upsert(index: &mut GateIndex, facts: Self::Facts, now: i64);
+    fn remove(index: &mut GateIndex, object: &Self);
+    /// A complete list: objects of this kind not in it are gone.
+    fn replace(index: &mut GateIndex, all: Vec<Self::Facts>, now: i64);
+    fn relist(relists: &mut Relists) -> &mut Option<Vec<Self::Facts>>;
+}
+
+impl Watched for QueuePolicy {
+    type Facts = PolicyFacts;
+    fn facts(&self, limits: Limits) -> PolicyFacts {
+        PolicyFacts::from_policy(self, limits)
+    }
+    fn upsert(index: &mut GateIndex, facts: PolicyFacts, _: i64) {
+        index.upsert_policy(facts);
+    }
+    fn remove(index: &mut GateIndex, object: &Self) {
+        index.remove_policy(&ObjectKey::of(object));
+    }
+    fn replace(index: &mut GateIndex, all: Vec<PolicyFacts>, _: i64) {
+        index.replace_policies(all);
+    }
+    fn relist(relists: &mut Relists) -> &mut Option<Vec<PolicyFacts>> {
+        &mut relists.policies
+    }
+}
+
+impl Watched for Deployment {
+    type Facts = DeploymentFacts;
+    fn facts(&self, _: Limits) -> DeploymentFacts {
+        DeploymentFacts::from_deployment(self)
+    }
+    fn upsert(index: &mut GateIndex, facts: DeploymentFacts, _: i64) {
+        index.upsert_deployment(facts);
+    }
+    fn remove(index: &mut GateIndex, object: &Self) {
+        index.remove_deployment(&ObjectKey::of(object));
+    }
+    fn replace(index: &mut GateIndex, all: Vec<DeploymentFacts>, _: i64) {
+        index.replace_deployments(all);
+    }
+    fn relist(relists: &mut Relists) -> &mut Option<Vec<DeploymentFacts>> {
+        &mut relists.deployments
+    }
+}
+
+impl Watched for Pod {
+    type Facts = PodFacts;
+    fn facts(&self, _: Limits) -> PodFacts {
+        PodFacts::from_pod(self)
+    }
+    fn upsert(index: &mut GateIndex, facts: PodFacts, now: i64) {
+        index.upsert_pod(facts, now);
+    }
+    fn remove(index: &mut GateIndex, object: &Self) {
+        index.remove_pod(&object.uid().unwrap_or_default());
+    }
+    fn replace(index: &mut GateIndex, all: Vec<PodFacts>, now: i64) {
+        index.replace_pods(all, now);
+    }
+    fn relist(relists: &mut Relists) -> &mut Option<Vec<PodFacts>> {
+        &mut relists.pods
+    }
+}
+
+impl Watched for PodDisruptionBudget {
+    type Facts = BudgetFacts;
+    fn facts(&self, _: Limits) -> BudgetFacts {
+        BudgetFacts::from_budget(self)
+    }
+    fn upsert(index: &mut GateIndex, facts: BudgetFacts, _: i64) {
+        index.upsert_budget(facts);
+    }
+    fn remove(index: &mut GateIndex, object: &Self) {
+        index.remove_budget(&ObjectKey::of(object));
+    }
+    fn replace(index: &mut GateIndex, all: Vec<BudgetFacts>, _: i64) {
+        index.replace_budgets(all);
+    }
+    fn relist(relists: &mut Relists) -> &mut Option<Vec<BudgetFacts>> {
+        &mut relists.budgets
     }
 }
 

@@ -261,15 +261,13 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
     });
     let config = || watcher::Config::default().any_semantic();
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(watcher(scoped::<Deployment>(&client, ns), config()).default_backoff(), move |e| {
-        g.on_deployment(e)
-    }));
+    tokio::spawn(gate::feed(watcher(scoped::<Deployment>(&client, ns), config()).default_backoff(), move |e| g.on(e)));
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(watcher(scoped::<Pod>(&client, ns), config()).default_backoff(), move |e| g.on_pod(e)));
+    tokio::spawn(gate::feed(watcher(scoped::<Pod>(&client, ns), config()).default_backoff(), move |e| g.on(e)));
     let g = ctx.gate.clone();
     tokio::spawn(gate::feed(
         watcher(scoped::<PodDisruptionBudget>(&client, ns), config()).default_backoff(),
-        move |e| g.on_budget(e),
+        move |e| g.on(e),
     ));
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
@@ -281,7 +279,7 @@ async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) 
         .default_backoff()
         .inspect(move |e| {
             if let Ok(e) = e {
-                g.on_policy(e);
+                g.on(e);
             }
         })
         .reflect(policy_writer)

@@ -500,9 +500,7 @@ impl GateIndex {
 
     /// A watch delivered its complete list: objects of that kind not in it are gone.
     pub fn replace_pods(&mut self, pods: Vec<PodFacts>, now: i64) {
-        let keep: BTreeSet<String> = pods.iter().map(|p| p.uid.clone()).collect();
-        let gone: Vec<String> = self.pods.keys().filter(|uid| !keep.contains(*uid)).cloned().collect();
-        for uid in gone {
+        for uid in unlisted(self.pods.keys(), pods.iter().map(|p| &p.uid)) {
             self.remove_pod(&uid);
         }
         for pod in pods {
@@ -512,9 +510,7 @@ impl GateIndex {
     }
 
     pub fn replace_deployments(&mut self, deployments: Vec<DeploymentFacts>) {
-        let keep: BTreeSet<ObjectKey> = deployments.iter().map(|d| d.key.clone()).collect();
-        let gone: Vec<ObjectKey> = self.deployments.keys().filter(|k| !keep.contains(*k)).cloned().collect();
-        for key in gone {
+        for key in unlisted(self.deployments.keys(), deployments.iter().map(|d| &d.key)) {
             self.remove_deployment(&key);
         }
         for d in deployments {
@@ -524,9 +520,7 @@ impl GateIndex {
     }
 
     pub fn replace_policies(&mut self, policies: Vec<PolicyFacts>) {
-        let keep: BTreeSet<ObjectKey> = policies.iter().map(|p| p.key.clone()).collect();
-        let gone: Vec<ObjectKey> = self.policies.keys().filter(|k| !keep.contains(*k)).cloned().collect();
-        for key in gone {
+        for key in unlisted(self.policies.keys(), policies.iter().map(|p| &p.key)) {
             self.remove_policy(&key);
         }
         for p in policies {
@@ -536,9 +530,7 @@ impl GateIndex {
     }
 
     pub fn replace_budgets(&mut self, budgets: Vec<BudgetFacts>) {
-        let keep: BTreeSet<ObjectKey> = budgets.iter().map(|b| b.key.clone()).collect();
-        let gone: Vec<ObjectKey> = self.budgets.keys().filter(|k| !keep.contains(*k)).cloned().collect();
-        for key in gone {
+        for key in unlisted(self.budgets.keys(), budgets.iter().map(|b| &b.key)) {
             self.remove_budget(&key);
         }
         for b in budgets {
@@ -859,6 +851,12 @@ impl GateIndex {
     pub fn pod_count(&self) -> usize {
         self.pods.len()
     }
+}
+
+/// The keys held that a complete list leaves out.
+fn unlisted<'a, K: Ord + Clone + 'a>(held: impl Iterator<Item = &'a K>, listed: impl Iterator<Item = &'a K>) -> Vec<K> {
+    let listed: BTreeSet<&K> = listed.collect();
+    held.filter(|k| !listed.contains(k)).cloned().collect()
 }
 
 /// A Deployment's disruption budget, decided.

@@ -4,7 +4,7 @@
 use super::*;
 use crate::{
     consumers::Change,
-    crd::{ConsumersSpec, FailurePolicy, MatchBy},
+    crd::FailurePolicy,
     gate::{
         GATE_CONDITION, GateReason,
         pods::{CLOCK_SKEW_MS, GateCondition},
@@ -14,7 +14,6 @@ use k8s_openapi::{
     api::apps::v1::DeploymentSpec,
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
 };
-use std::time::Duration;
 
 const NOW: i64 = 1_000_000;
 const SOURCE: u64 = 7;
@@ -65,23 +64,7 @@ fn consumer(queue: &str, peer: &str, since: i64, connected: i64) -> Consumer {
 }
 
 fn plan(min_attached: i32) -> GatePlan {
-    GatePlan {
-        mode: GateMode::Enforce,
-        failure_policy: FailurePolicy::Closed,
-        attach_timeout: Duration::from_secs(600),
-        manage_strategy: true,
-        pod_disruption_budget: true,
-        min_attached,
-        min_attached_for: Duration::from_secs(5),
-        match_by: MatchBy::PodIp,
-        consumers: ConsumersSpec {
-            deployment: Some("worker".into()),
-            selector: None,
-            min_attached,
-            min_attached_seconds: 5,
-            match_by: MatchBy::PodIp,
-        },
-    }
+    crate::testing::gate_plan(min_attached)
 }
 
 fn policy(name: &str, selects: Selects, plan: Result<GatePlan, String>) -> PolicyFacts {
@@ -121,19 +104,9 @@ fn deployment(name: &str, labels: &[(&str, &str)]) -> DeploymentFacts {
 }
 
 fn pod(name: &str, ip: &str) -> PodFacts {
-    PodFacts {
-        namespace: "shop".into(),
-        name: name.into(),
-        uid: format!("uid-{name}"),
-        deployment: Some("worker".into()),
-        ips: vec![ip.into()],
-        ip_since_ms: Some(NOW - 60_000),
-        has_gate: true,
-        condition: None,
-        containers_ready_since_ms: Some(NOW - 50_000),
-        deleting: false,
-        terminal: false,
-    }
+    let mut p = crate::testing::pod_facts(name, ip, NOW - 60_000);
+    p.containers_ready_since_ms = Some(NOW - 50_000);
+    p
 }
 
 /// The pod as the watch shows it after the writer's patch.

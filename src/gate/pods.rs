@@ -139,19 +139,7 @@ mod tests {
     };
 
     fn pod(name: &str, ip: &str, since: i64) -> PodFacts {
-        PodFacts {
-            namespace: "shop".into(),
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            deployment: Some("worker".into()),
-            ips: vec![ip.into()],
-            ip_since_ms: Some(since),
-            has_gate: true,
-            condition: None,
-            containers_ready_since_ms: Some(since),
-            deleting: false,
-            terminal: false,
-        }
+        crate::testing::pod_facts(name, ip, since)
     }
 
     fn consumer(peer: &str, connection: Option<&str>, connected: i64) -> Consumer {

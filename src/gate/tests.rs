@@ -8,7 +8,7 @@ use super::{
 };
 use crate::{
     consumers::{Consumer, QueueKey},
-    crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy, RolloutPhase},
+    crd::{FailurePolicy, GateMode, RolloutPhase},
     gate::guards::Selects,
 };
 use k8s_openapi::api::apps::v1::{DeploymentSpec, DeploymentStatus, DeploymentStrategy};
@@ -17,23 +17,7 @@ const NOW: i64 = 1_000_000;
 const MIN_MS: i64 = 5_000;
 
 fn plan() -> GatePlan {
-    GatePlan {
-        mode: GateMode::Enforce,
-        failure_policy: FailurePolicy::Closed,
-        attach_timeout: Duration::from_secs(600),
-        manage_strategy: true,
-        pod_disruption_budget: true,
-        min_attached: 1,
-        min_attached_for: Duration::from_millis(MIN_MS as u64),
-        match_by: MatchBy::PodIp,
-        consumers: ConsumersSpec {
-            deployment: Some("worker".into()),
-            selector: None,
-            min_attached: 1,
-            min_attached_seconds: 5,
-            match_by: MatchBy::PodIp,
-        },
-    }
+    crate::testing::gate_plan(1)
 }
 
 fn deployment(replicas: i32) -> Deployment {
@@ -55,19 +39,10 @@ fn deployment(replicas: i32) -> Deployment {
 }
 
 fn pod(i: u8) -> PodFacts {
-    PodFacts {
-        namespace: "shop".into(),
-        name: format!("worker-{i}"),
-        uid: format!("uid-{i}"),
-        deployment: Some("worker".into()),
-        ips: vec![format!("10.0.0.{i}")],
-        ip_since_ms: Some(0),
-        has_gate: true,
-        condition: None,
-        containers_ready_since_ms: Some(NOW - 1_000),
-        deleting: false,
-        terminal: false,
-    }
+    let mut p = crate::testing::pod_facts(&format!("worker-{i}"), &format!("10.0.0.{i}"), 0);
+    p.uid = format!("uid-{i}");
+    p.containers_ready_since_ms = Some(NOW - 1_000);
+    p
 }
 
 fn open(mut p: PodFacts, since_ms: i64) -> PodFacts {
