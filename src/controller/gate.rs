@@ -361,7 +361,7 @@ async fn run_timers(gate: Weak<Gate>, timer: Arc<Notify>) {
     }
 }
 
-/// The one writer of pod conditions: each patch in order, then its Event on the pod.
+/// The one writer of pod conditions: each patch in order, and its Event on the pod beside.
 async fn write_conditions(
     gate: Weak<Gate>,
     client: Client,
@@ -373,7 +373,8 @@ async fn write_conditions(
         let api: Api<Pod> = Api::namespaced(client.clone(), &patch.namespace);
         match api.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await {
             Ok(_) => {
-                publish_on_pod(&recorder, &patch).await;
+                // The next pod's condition does not wait for this one's Event.
+                tokio::spawn(publish_on_pod(recorder.clone(), patch.clone()));
                 if let Some(waited) = patch.waited_ms {
                     for p in &patch.policies {
                         let labels = PolicyLabels { namespace: p.namespace.clone(), policy: p.name.clone() };
@@ -400,7 +401,7 @@ async fn write_conditions(
     }
 }
 
-async fn publish_on_pod(recorder: &Recorder, patch: &PodPatch) {
+async fn publish_on_pod(recorder: Recorder, patch: PodPatch) {
     let spec = patch.event();
     let reference = ObjectReference {
         api_version: Some("v1".into()),

@@ -123,9 +123,10 @@ struct Memo {
     converged: Option<Converged>,
     /// What the findings remember between looks, and when the last look was.
     looked: Option<(findings::Memory, Instant)>,
-    /// The status last written, with the policy's uid. The watch cache can still hold an older
-    /// one when the next pass starts; built on that, the pass would undo the last one's work
-    /// (the findings' conditions it keeps between looks) and write status again.
+    /// The status last written, with the policy's uid, until the watch cache holds it too. The
+    /// cache can still hold an older one when the next pass starts; built on that, the pass
+    /// would undo the last one's work (the findings' conditions it keeps between looks) and
+    /// write status again.
     written: Option<(String, QueuePolicyStatus)>,
 }
 
@@ -598,10 +599,24 @@ pub(crate) async fn endpoint(
 }
 
 /// The status this operator last wrote for this very policy (same uid), if any.
+/// The status this operator last wrote for this very policy (same uid), while the watch cache
+/// has not caught up with it; once it has, the cache's copy serves and this one is let go.
 fn last_written(ctx: &Context, policy: &QueuePolicy) -> Option<QueuePolicyStatus> {
-    let memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
-    let (uid, status) = memos.get(&ObjectRef::from_obj(policy))?.written.as_ref()?;
-    (Some(uid.as_str()) == policy.uid().as_deref()).then(|| status.clone())
+    let mut memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    let memo = memos.get_mut(&ObjectRef::from_obj(policy))?;
+    let (uid, status) = memo.written.as_ref()?;
+    let seen = same_as_stored(policy.status.as_ref(), status);
+    if Some(uid.as_str()) != policy.uid().as_deref() || seen {
+        memo.written = None;
+        return None;
+    }
+    Some(status.clone())
+}
+
+/// Whether `status` is what `stored` says, compared as the API stores it: times there have
+/// whole seconds, so an in-memory time with milliseconds would otherwise always differ.
+fn same_as_stored(stored: Option<&QueuePolicyStatus>, status: &QueuePolicyStatus) -> bool {
+    stored.map(serde_json::to_value).and_then(Result::ok) == serde_json::to_value(status).ok()
 }
 
 /// Patches `.status` (server-side apply, one field manager) only when it changed, then publishes
@@ -612,9 +627,7 @@ async fn write_status(
     status: QueuePolicyStatus,
     ctx: &Context,
 ) -> Result<(), Error> {
-    // Compared as the API stores it: times there have whole seconds, so an in-memory time with
-    // milliseconds would otherwise differ on every pass and patch status each time.
-    if previous.map(serde_json::to_value).and_then(Result::ok) == serde_json::to_value(&status).ok() {
+    if same_as_stored(previous, &status) {
         return Ok(());
     }
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
