@@ -11,7 +11,7 @@ use crate::{
         management::ManagementError,
         refusal::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, Refusal},
     },
-    crd::{Binding, DeadLetterObservation, QueueObservation, SettingsMode},
+    crd::{Binding, DeadLetterObservation, QueueObservation, QueueType, SettingsMode},
     duration::Human,
     plan::QueuePlan,
     settings::{self, ArgValue},
@@ -39,6 +39,9 @@ pub enum Mode {
 /// Why a step could not finish.
 enum StepError {
     Unreachable(String),
+    /// The connection went away mid-step (closed by the broker, perhaps for another policy's
+    /// operation): worth one more try on a fresh connection.
+    Lost(String),
     Refused(Refusal),
 }
 
@@ -46,18 +49,38 @@ impl From<AmqpError> for StepError {
     fn from(e: AmqpError) -> Self {
         match e {
             AmqpError::Refused(r) => Self::Refused(r),
+            lost @ AmqpError::Lost { .. } => Self::Lost(lost.to_string()),
             unreachable => Self::Unreachable(unreachable.to_string()),
         }
     }
 }
 
 /// Converges one plan on one broker. `previous_bindings` are those applied last time, so ones
-/// removed from the spec are unbound.
+/// removed from the spec are unbound. Every step is idempotent, so a connection lost midway
+/// (another policy's operation can make the broker close the shared connection) is answered by
+/// going through them once more on a fresh connection, at once rather than at the next requeue.
 pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Binding], mode: Mode) -> Outcome {
+    match converge_once(plan, broker, previous_bindings, mode).await {
+        Ok(outcome) => outcome,
+        Err(lost) => {
+            tracing::info!(queue = %plan.queue, %lost, "connection lost while converging; once more");
+            converge_once(plan, broker, previous_bindings, mode).await.unwrap_or_else(unreachable)
+        }
+    }
+}
+
+/// One pass through the steps; Err when the connection was lost midway.
+async fn converge_once(
+    plan: &QueuePlan,
+    broker: &Broker,
+    previous_bindings: &[Binding],
+    mode: Mode,
+) -> Result<Outcome, String> {
     let vhost = broker.vhost().to_owned();
     let (dead_letter, dead_letter_observation) = match declare_dead_letter(plan, broker).await {
         Ok(obs) => (Check::ok(Reason::Declared, dead_letter_summary(plan)), Some(obs)),
-        Err(StepError::Unreachable(msg)) => return unreachable(msg),
+        Err(StepError::Unreachable(msg)) => return Ok(unreachable(msg)),
+        Err(StepError::Lost(msg)) => return Err(msg),
         Err(StepError::Refused(r)) => {
             (refused_check(&r, &format!("dead-letter exchange or queue of {}", plan.queue)), None)
         }
@@ -69,7 +92,8 @@ pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Bi
     };
     let (mut queue, mut queue_observation) = match queue_step {
         Ok(obs) => (Check::ok(Reason::Declared, queue_summary(plan, &vhost)), Some(obs)),
-        Err(StepError::Unreachable(msg)) => return unreachable(msg),
+        Err(StepError::Unreachable(msg)) => return Ok(unreachable(msg)),
+        Err(StepError::Lost(msg)) => return Err(msg),
         Err(StepError::Refused(r)) => (queue_refusal(plan, &vhost, &r), None),
     };
 
@@ -90,6 +114,7 @@ pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Bi
         applied_bindings = Some(applied);
         match failure {
             None => {}
+            Some(StepError::Lost(msg)) => return Err(msg),
             Some(StepError::Unreachable(msg)) => queue = Check::unknown(Reason::BrokerUnreachable, msg),
             Some(StepError::Refused(r)) => queue = binding_refusal(plan, &vhost, &r),
         }
@@ -102,7 +127,7 @@ pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Bi
         }
     }
 
-    Outcome {
+    Ok(Outcome {
         queue,
         dead_letter,
         settings,
@@ -112,7 +137,7 @@ pub async fn converge(plan: &QueuePlan, broker: &Broker, previous_bindings: &[Bi
         applied_bindings,
         gate: None,
         findings: None,
-    }
+    })
 }
 
 fn unreachable(message: String) -> Outcome {
@@ -121,29 +146,31 @@ fn unreachable(message: String) -> Outcome {
 
 async fn declare_dead_letter(plan: &QueuePlan, broker: &Broker) -> Result<DeadLetterObservation, StepError> {
     let s = &plan.settings;
-    let ch = broker.amqp.channel().await?;
-    let classify = |e| broker.amqp.classify(e);
+    let amqp = &broker.amqp;
+    let ch = amqp.channel().await?;
     let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    ch.exchange_declare(s.dead_letter_exchange.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
-        .await
-        .map_err(classify)?;
-    let dlq = ch
-        .queue_declare(
+    amqp.bounded(ch.exchange_declare(
+        s.dead_letter_exchange.as_str().into(),
+        ExchangeKind::Direct,
+        durable,
+        FieldTable::default(),
+    ))
+    .await?;
+    let dlq = amqp
+        .bounded(ch.queue_declare(
             plan.dead_letter_queue.as_str().into(),
             durable_queue(),
             field_table(&settings::dead_letter_queue_arguments(plan)),
-        )
-        .await
-        .map_err(classify)?;
-    ch.queue_bind(
+        ))
+        .await?;
+    amqp.bounded(ch.queue_bind(
         plan.dead_letter_queue.as_str().into(),
         s.dead_letter_exchange.as_str().into(),
         s.dead_letter_routing_key.as_str().into(),
         QueueBindOptions::default(),
         FieldTable::default(),
-    )
-    .await
-    .map_err(classify)?;
+    ))
+    .await?;
     Ok(DeadLetterObservation {
         exchange: s.dead_letter_exchange.clone(),
         queue: plan.dead_letter_queue.clone(),
@@ -153,10 +180,14 @@ async fn declare_dead_letter(plan: &QueuePlan, broker: &Broker) -> Result<DeadLe
 
 async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObservation, StepError> {
     let ch = broker.amqp.channel().await?;
-    let q = ch
-        .queue_declare(plan.queue.as_str().into(), durable_queue(), field_table(&settings::queue_arguments(plan)))
-        .await
-        .map_err(|e| broker.amqp.classify(e))?;
+    let q = broker
+        .amqp
+        .bounded(ch.queue_declare(
+            plan.queue.as_str().into(),
+            durable_queue(),
+            field_table(&settings::queue_arguments(plan)),
+        ))
+        .await?;
     Ok(QueueObservation {
         name: plan.queue.clone(),
         vhost: broker.vhost().to_owned(),
@@ -266,25 +297,25 @@ async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check,
 /// place, even when a step failed, so a later reconcile knows what to unbind.
 async fn apply_bindings(plan: &QueuePlan, broker: &Broker, previous: &[Binding]) -> (Vec<Binding>, Option<StepError>) {
     let mut applied: Vec<Binding> = previous.to_vec();
-    let classify = |e| StepError::from(broker.amqp.classify(e));
-    let ch = match broker.amqp.channel().await {
+    let amqp = &broker.amqp;
+    let ch = match amqp.channel().await {
         Ok(ch) => ch,
         Err(e) => return (applied, Some(e.into())),
     };
     for b in &plan.bindings {
-        let bound = ch
-            .queue_bind(
+        let bound = amqp
+            .bounded(ch.queue_bind(
                 plan.queue.as_str().into(),
                 b.exchange.as_str().into(),
                 b.routing_key.as_str().into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
-            )
+            ))
             .await;
         match bound {
             Ok(()) if !applied.contains(b) => applied.push(b.clone()),
             Ok(()) => {}
-            Err(e) => return (applied, Some(classify(e))),
+            Err(e) => return (applied, Some(e.into())),
         }
     }
     drop(ch);
@@ -293,15 +324,15 @@ async fn apply_bindings(plan: &QueuePlan, broker: &Broker, previous: &[Binding])
             Ok(ch) => ch,
             Err(e) => return (applied, Some(e.into())),
         };
-        let unbound = ch
-            .queue_unbind(
+        let unbound = amqp
+            .bounded(ch.queue_unbind(
                 plan.queue.as_str().into(),
                 b.exchange.as_str().into(),
                 b.routing_key.as_str().into(),
                 FieldTable::default(),
-            )
+            ))
             .await;
-        match unbound.map_err(classify) {
+        match unbound.map_err(StepError::from) {
             // The exchange is gone, and the binding with it.
             Ok(()) | Err(StepError::Refused(Refusal { code: NOT_FOUND, .. })) => applied.retain(|a| a != b),
             Err(other) => return (applied, Some(other)),
@@ -413,43 +444,43 @@ pub enum Cleanup {
     Blocked(Check),
 }
 
-/// deletionPolicy: Delete. Deletes the queue only if it is empty and unused (the broker checks
-/// both atomically), then the dead-letter queue under the same rule, the dead-letter exchange if
-/// nothing else uses it, and the operator's policy.
+/// deletionPolicy: Delete. Deletes the queue only if it is empty and unused, then the
+/// dead-letter queue under the same rule, the dead-letter exchange if nothing else uses it, and
+/// the operator's policy.
+///
+/// For a classic queue the broker checks both atomically (`if-unused`, `if-empty`). Quorum
+/// queues refuse those flags, and with a connection-level close (540 NOT_IMPLEMENTED) that would
+/// take every other policy's operations on the shared connection with it; for them "empty and
+/// unused" is established first (a passive declare's ready messages and consumers, and the
+/// management API's unacknowledged messages), and the queue is deleted without flags. The
+/// remaining race: a message published or a consumer attached between that check and the
+/// delete (one round trip) goes with the queue.
 pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
     let vhost = broker.vhost().to_owned();
     for queue in [&plan.queue, &plan.dead_letter_queue] {
-        match delete_queue_if_idle(broker, queue).await {
+        let outcome = match delete_queue_if_idle(plan, broker, &vhost, queue).await {
+            Err(NotDeleted::Broker(StepError::Lost(_))) => delete_queue_if_idle(plan, broker, &vhost, queue).await,
+            other => other,
+        };
+        match outcome {
             Ok(()) => {}
-            Err(StepError::Unreachable(msg)) => {
+            Err(NotDeleted::Broker(StepError::Unreachable(msg) | StepError::Lost(msg))) => {
                 return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, msg));
             }
-            Err(StepError::Refused(r)) if r.code == PRECONDITION_FAILED => {
-                let detail = match passive_counts(broker, queue).await {
-                    Some((ready, consumers)) => {
-                        format!("{ready} ready messages, {consumers} consumers")
-                    }
-                    None => r.text.clone(),
-                };
-                return Cleanup::Blocked(Check::failed(
-                    Reason::DeletionBlocked,
-                    format!(
-                        "queue '{queue}' is not empty or still has consumers ({detail}); deletionPolicy Delete only removes an empty, unused queue. Drain it, or set deletionPolicy: Retain"
-                    ),
-                ));
-            }
-            Err(StepError::Refused(r)) => {
+            Err(NotDeleted::InUse(detail)) => return Cleanup::Blocked(blocked(queue, &detail)),
+            Err(NotDeleted::Broker(StepError::Refused(r))) => {
                 return Cleanup::Blocked(refused_check(&r, &format!("deleting queue '{queue}'")));
             }
         }
     }
     if let Ok(ch) = broker.amqp.channel().await {
         // Another queue may still use the exchange; then it stays.
-        let _ = ch
-            .exchange_delete(
+        let _ = broker
+            .amqp
+            .bounded(ch.exchange_delete(
                 plan.settings.dead_letter_exchange.as_str().into(),
                 ExchangeDeleteOptions { if_unused: true, ..Default::default() },
-            )
+            ))
             .await;
     }
     if plan.mode == SettingsMode::Policy
@@ -463,22 +494,83 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
     ))
 }
 
+fn blocked(queue: &str, detail: &str) -> Check {
+    Check::failed(
+        Reason::DeletionBlocked,
+        format!(
+            "queue '{queue}' is not empty or still has consumers ({detail}); deletionPolicy Delete only removes an empty, unused queue. Drain it, or set deletionPolicy: Retain"
+        ),
+    )
+}
+
 /// Ready messages and consumers from a passive declare (immediate, unlike management statistics).
 async fn passive_counts(broker: &Broker, queue: &str) -> Option<(u32, u32)> {
     let ch = broker.amqp.channel().await.ok()?;
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-    let q = ch.queue_declare(queue.into(), passive, FieldTable::default()).await.ok()?;
+    let q = broker.amqp.bounded(ch.queue_declare(queue.into(), passive, FieldTable::default())).await.ok()?;
     Some((q.message_count(), q.consumer_count()))
 }
 
-async fn delete_queue_if_idle(broker: &Broker, queue: &str) -> Result<(), StepError> {
-    let ch = broker.amqp.channel().await?;
-    let options = QueueDeleteOptions { if_unused: true, if_empty: true, ..Default::default() };
-    match ch.queue_delete(queue.into(), options).await {
+/// Why a queue was not deleted.
+enum NotDeleted {
+    Broker(StepError),
+    /// It holds messages or has consumers (what it holds, said).
+    InUse(String),
+}
+
+impl From<AmqpError> for NotDeleted {
+    fn from(e: AmqpError) -> Self {
+        Self::Broker(e.into())
+    }
+}
+
+async fn delete_queue_if_idle(plan: &QueuePlan, broker: &Broker, vhost: &str, queue: &str) -> Result<(), NotDeleted> {
+    let amqp = &broker.amqp;
+    // The queue as it is (it may predate the policy), else as the policy declares it.
+    let info = broker.management.queue(vhost, queue).await;
+    let classic = match &info {
+        Ok(Some(q)) => q.queue_type.as_deref().is_none_or(|t| t == "classic"),
+        Ok(None) => return Ok(()),
+        Err(_) => plan.queue_type == QueueType::Classic,
+    };
+    let ch = amqp.channel().await?;
+    let options = if classic {
+        QueueDeleteOptions { if_unused: true, if_empty: true, ..Default::default() }
+    } else {
+        let unacked = match info {
+            Ok(Some(q)) => q.messages_unacknowledged.unwrap_or(0),
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                return Err(NotDeleted::Broker(StepError::Unreachable(format!(
+                    "cannot tell whether quorum queue '{queue}' has unacknowledged messages: {e}"
+                ))));
+            }
+        };
+        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+        let q = match amqp.bounded(ch.queue_declare(queue.into(), passive, FieldTable::default())).await {
+            Ok(q) => q,
+            Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if q.message_count() > 0 || q.consumer_count() > 0 || unacked > 0 {
+            return Err(NotDeleted::InUse(format!(
+                "{} ready messages, {unacked} unacknowledged, {} consumers",
+                q.message_count(),
+                q.consumer_count()
+            )));
+        }
+        QueueDeleteOptions::default()
+    };
+    match amqp.bounded(ch.queue_delete(queue.into(), options)).await {
         Ok(_) => Ok(()),
-        Err(e) => match StepError::from(broker.amqp.classify(e)) {
-            StepError::Refused(r) if r.code == NOT_FOUND => Ok(()),
-            other => Err(other),
-        },
+        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => Ok(()),
+        Err(AmqpError::Refused(r)) if r.code == PRECONDITION_FAILED => {
+            let detail = match passive_counts(broker, queue).await {
+                Some((ready, consumers)) => format!("{ready} ready messages, {consumers} consumers"),
+                None => r.text,
+            };
+            Err(NotDeleted::InUse(detail))
+        }
+        Err(e) => Err(e.into()),
     }
 }

@@ -64,9 +64,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<Endpoints>) -> 
 }
 
 async fn metrics(State(state): State<Arc<Endpoints>>) -> impl IntoResponse {
-    for (broker, up) in state.brokers.connection_states() {
-        state.metrics.broker_connection(&broker, up);
-    }
+    state.metrics.broker_connections(&state.brokers.connection_states());
     ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render())
 }
 

@@ -63,6 +63,8 @@ struct PatternFindingLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BrokerLabels {
     broker: String,
+    /// `declarations` (what the reconciles use) or `events` (the consumer tracker's).
+    connection: &'static str,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -304,8 +306,14 @@ impl Metrics {
         }
     }
 
-    pub fn broker_connection(&self, broker: &str, up: bool) {
-        self.broker_up.get_or_create(&BrokerLabels { broker: broker.to_owned() }).set(up.into());
+    /// The connections as they are now: one series per broker address and purpose
+    /// (`declarations`, `events`); connections let go of lose theirs.
+    pub fn broker_connections(&self, states: &[(String, &'static str, bool)]) {
+        self.broker_up.clear();
+        for (broker, connection, up) in states {
+            let labels = BrokerLabels { broker: broker.clone(), connection };
+            self.broker_up.get_or_create(&labels).set((*up).into());
+        }
     }
 
     pub fn leading(&self, leader: bool) {
@@ -385,7 +393,8 @@ mod tests {
         });
         m.observed(&labels(), &outcome);
         m.gate_opened(&labels(), Duration::from_millis(800));
-        m.broker_connection("amqp://rabbitmq:5672/%2F", true);
+        m.broker_connections(&[("amqp://old:5672/%2F".into(), "declarations", false)]);
+        m.broker_connections(&[("amqp://rabbitmq:5672/%2F".into(), "declarations", true)]);
         m.leading(true);
         let text = m.render();
         for expected in [
@@ -394,7 +403,7 @@ mod tests {
             r#"queueguard_queue_consumers{namespace="shop",policy="orders",queue="orders"} 2"#,
             r#"queueguard_dead_letter_messages_ready{namespace="shop",policy="orders",queue="orders.dlq"} 7"#,
             r#"queueguard_gate_wait_seconds_bucket{le="1.0",namespace="shop",policy="orders"} 1"#,
-            r#"queueguard_broker_connection_up{broker="amqp://rabbitmq:5672/%2F"} 1"#,
+            r#"queueguard_broker_connection_up{broker="amqp://rabbitmq:5672/%2F",connection="declarations"} 1"#,
             "queueguard_leader 1",
         ] {
             assert!(text.contains(expected), "missing {expected} in\n{text}");
@@ -402,5 +411,6 @@ mod tests {
         m.forget(&labels());
         let text = m.render();
         assert!(!text.contains(r#"policy="orders""#), "a deleted policy's series are gone:\n{text}");
+        assert!(!text.contains("amqp://old"), "a connection let go of has no series:\n{text}");
     }
 }

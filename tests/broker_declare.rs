@@ -15,7 +15,7 @@ use queueguard::{
     status::{Reason, Truth},
 };
 use serde_json::{Value, json};
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 #[tokio::test]
 async fn policy_mode_puts_every_setting_in_an_operator_policy() {
@@ -408,4 +408,100 @@ async fn counts_come_from_the_declare() {
     drop(consumer);
     drop(ch);
     remove_all(&plan).await;
+}
+
+/// Quorum queues refuse `queue.delete` with if-unused/if-empty, and with a connection-level
+/// close (540) at that: deletion establishes "empty and unused" first and deletes without the
+/// flags. Not empty, not unused, or holding unacknowledged messages: blocked; and the shared
+/// connection is never closed.
+#[tokio::test]
+async fn a_quorum_queue_is_deleted_only_when_empty_and_unused_without_closing_the_connection() {
+    let name = unique("quorum-delete");
+    let plan = plan_of(&policy_doc(&name, "queue: {type: quorum}\n  deletionPolicy: Delete"));
+    let pool = BrokerPool::new(unique("conn"));
+    let broker = broker(&pool, &plan);
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
+
+    publish(&name, ["keep me".to_string()]).await;
+    let blocked = |c: Cleanup| match c {
+        Cleanup::Blocked(check) => check,
+        other => panic!("expected blocked, got {other:?}"),
+    };
+    let check = blocked(converge::delete(&plan, &broker).await);
+    assert_eq!(check.reason, Reason::DeletionBlocked);
+    assert!(check.message.contains("1 ready messages"), "{}", check.message);
+
+    // The message delivered and held, not acknowledged: still not deletable. The management
+    // API shows the unacknowledged count after its statistics interval.
+    let (_conn, ch) = app().await;
+    ch.basic_qos(1, Default::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(name.as_str().into(), "holder".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let delivery = consumer.next().await.unwrap().unwrap();
+    let check = blocked(converge::delete(&plan, &broker).await);
+    assert!(check.message.contains("1 consumers"), "a consumer is attached: {}", check.message);
+    ch.basic_cancel("holder".into(), Default::default()).await.unwrap();
+    let unacked_seen = eventually(Duration::from_secs(15), || async {
+        mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.is_some_and(|q| q["messages_unacknowledged"] == 1)
+    });
+    assert!(unacked_seen.await);
+    let check = blocked(converge::delete(&plan, &broker).await);
+    assert!(check.message.contains("1 unacknowledged"), "{}", check.message);
+    delivery.ack(Default::default()).await.unwrap();
+    drop(consumer);
+    drop(ch);
+
+    let deleted = eventually(Duration::from_secs(15), || async {
+        matches!(converge::delete(&plan, &broker).await, Cleanup::Deleted(_))
+    });
+    assert!(deleted.await, "empty and unused once the ack is in the statistics");
+    assert!(!exists(&name).await && !exists(&plan.dead_letter_queue).await);
+    assert_eq!(pool.connections_opened(), 1, "the shared connection was never closed");
+    assert!(broker.amqp.is_connected());
+}
+
+/// A connection-level close in the middle of a burst of reconciles (here the broker's own 540,
+/// provoked on the shared connection) fails no other policy: each converge that lost its
+/// connection goes through its steps once more on a fresh one and ends Ready.
+#[tokio::test]
+async fn a_connection_closed_under_a_burst_of_converges_fails_none_of_them() {
+    let pool = Arc::new(BrokerPool::new(unique("burst-conn")));
+    let plans: Vec<_> = (0..24).map(|i| plan_of(&policy(&unique(&format!("burst{i}")), "{}"))).collect();
+    let victim = unique("burst-quorum");
+    let quorum = plan_of(&policy(&victim, "{type: quorum}"));
+    let broker = broker(&pool, &quorum);
+    assert!(converge::converge(&quorum, &broker, &[], Mode::Declare).await.is_ready());
+    let tracker = pool.tracker(&broker.uri, None).unwrap();
+    let events_live = eventually(Duration::from_secs(10), || async {
+        tracker.tracking("/") == queueguard::consumers::Tracking::Events
+    });
+    assert!(events_live.await);
+    let mut handles = Vec::new();
+    for (i, plan) in plans.clone().into_iter().enumerate() {
+        let broker = broker.clone();
+        let victim = victim.clone();
+        handles.push(tokio::spawn(async move {
+            if i == 8 {
+                // What the broker does to a quorum queue deleted with if-unused: closes the
+                // whole connection (540 NOT_IMPLEMENTED).
+                let ch = broker.amqp.channel().await.unwrap();
+                let flags = lapin::options::QueueDeleteOptions { if_unused: true, ..Default::default() };
+                let refused = ch.queue_delete(victim.as_str().into(), flags).await;
+                assert!(refused.is_err(), "the broker refuses it");
+            }
+            converge::converge(&plan, &broker, &[], Mode::Declare).await
+        }));
+    }
+    for h in handles {
+        let outcome = h.await.unwrap();
+        assert!(outcome.is_ready(), "{:?}", outcome.ready());
+    }
+    assert!(broker.amqp.connections_opened() >= 2, "the connection was closed and opened again");
+    assert_eq!(tracker.broker().amqp.connections_opened(), 1, "the event subscription has its own connection");
+    assert_eq!(tracker.tracking("/"), queueguard::consumers::Tracking::Events);
+    for plan in plans.iter().chain([&quorum]) {
+        remove_all(plan).await;
+    }
 }

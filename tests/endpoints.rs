@@ -40,7 +40,12 @@ async fn probes_and_metrics_answer() {
     drop(broker.amqp.channel().await.expect("the local broker answers"));
     let (code, text) = get(&format!("{base}/metrics")).await;
     assert_eq!(code, 200);
-    assert!(text.contains("queueguard_broker_connection_up{broker=\"amqp://127.0.0.1:5672/%2F\"} 1"), "{text}");
+    assert!(
+        text.contains(
+            "queueguard_broker_connection_up{broker=\"amqp://127.0.0.1:5672/%2F\",connection=\"declarations\"} 1"
+        ),
+        "{text}"
+    );
     assert!(!text.contains("guest"), "credentials never reach /metrics");
     assert!(text.contains("queueguard_leader 0"), "not leading yet: {text}");
 }

@@ -21,6 +21,9 @@ use std::{
 const FRAME_MAX: u32 = 32 * 1024;
 /// How long a connection attempt may take before the broker counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one operation may take before the broker counts as hung: a broker that accepts
+/// the connection and then stops answering must not hold the reconciles every broker shares.
+pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
 /// Idle channels kept open per endpoint.
 const IDLE_CHANNELS: usize = 8;
 
@@ -29,6 +32,10 @@ pub enum AmqpError {
     /// No connection: the broker is down, unreachable, or refused the login.
     #[error("cannot connect to {endpoint}: {detail}")]
     Unreachable { endpoint: String, detail: String, retry_in: Duration },
+    /// The connection went away during an operation (closed by the broker, maybe for another
+    /// policy's operation, or no answer in time): a fresh connection may well succeed.
+    #[error("connection to {endpoint} lost: {detail}")]
+    Lost { endpoint: String, detail: String },
     /// The broker refused one operation (a soft error); the connection is fine.
     #[error("{0}")]
     Refused(Refusal),
@@ -110,16 +117,14 @@ impl AmqpEndpoint {
             return Ok(PooledChannel { endpoint: self, channel: Some(channel) });
         }
         let conn = self.connection().await?;
-        match conn.create_channel().await {
-            Ok(channel) => Ok(PooledChannel { endpoint: self, channel: Some(channel) }),
-            Err(e) => Err(self.classify(e)),
-        }
+        let channel = self.bounded(conn.create_channel()).await?;
+        Ok(PooledChannel { endpoint: self, channel: Some(channel) })
     }
 
     /// A channel of its own, outside the pool, for a long-lived subscription.
     pub async fn dedicated_channel(&self) -> Result<Channel, AmqpError> {
         let conn = self.connection().await?;
-        conn.create_channel().await.map_err(|e| self.classify(e))
+        self.bounded(conn.create_channel()).await
     }
 
     fn take_idle(&self) -> Option<Channel> {
@@ -179,13 +184,29 @@ impl AmqpEndpoint {
         AmqpError::Unreachable { endpoint: self.display(), detail, retry_in }
     }
 
-    /// Sorts a lapin error into a refusal (channel closed, connection fine) or unreachability.
+    /// Sorts a lapin error into a refusal (channel closed, connection fine) or a lost connection.
     pub fn classify(&self, e: lapin::Error) -> AmqpError {
         match e.kind() {
             ErrorKind::ProtocolError(amqp) if e.is_amqp_soft_error() => {
                 AmqpError::Refused(Refusal { code: amqp.get_id(), text: amqp.get_message().to_string() })
             }
-            _ => self.unreachable(self.uri.redact(&describe(&e)), Duration::ZERO),
+            _ => AmqpError::Lost { endpoint: self.display(), detail: self.uri.redact(&describe(&e)) },
+        }
+    }
+
+    /// Runs one operation within [`OPERATION_TIMEOUT`]. On a timeout the connection is let go,
+    /// so the next operation connects afresh instead of queueing behind a hung broker.
+    pub async fn bounded<T>(&self, op: impl std::future::Future<Output = lapin::Result<T>>) -> Result<T, AmqpError> {
+        match tokio::time::timeout(OPERATION_TIMEOUT, op).await {
+            Ok(result) => result.map_err(|e| self.classify(e)),
+            Err(_) => {
+                self.state.lock().await.conn = None;
+                self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                Err(AmqpError::Lost {
+                    endpoint: self.display(),
+                    detail: format!("no answer within {}s", OPERATION_TIMEOUT.as_secs()),
+                })
+            }
         }
     }
 }

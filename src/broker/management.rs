@@ -31,6 +31,9 @@ pub enum ManagementError {
 pub struct QueueInfo {
     pub name: String,
     pub vhost: String,
+    /// classic, quorum or stream.
+    #[serde(default, rename = "type")]
+    pub queue_type: Option<String>,
     #[serde(default)]
     pub durable: bool,
     #[serde(default)]

@@ -125,6 +125,11 @@ impl ConsumerTracker {
         self.id
     }
 
+    /// The tracker's own endpoint (its events connection and management client).
+    pub fn broker(&self) -> &Broker {
+        &self.broker
+    }
+
     /// Attach, detach, deletion and tracking changes, as they happen.
     pub fn subscribe(&self) -> broadcast::Receiver<Change> {
         self.changes.subscribe()
@@ -387,23 +392,23 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError
     };
     let ch = amqp.dedicated_channel().await.map_err(err)?;
     let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-    let q = ch.queue_declare("".into(), private, FieldTable::default()).await.map_err(|e| err(amqp.classify(e)))?;
+    let q = amqp.bounded(ch.queue_declare("".into(), private, FieldTable::default())).await.map_err(err)?;
     for key in events::BINDINGS {
-        ch.queue_bind(
+        amqp.bounded(ch.queue_bind(
             q.name().clone(),
             EVENT_EXCHANGE.into(),
             key.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
-        )
+        ))
         .await
-        .map_err(|e| err(amqp.classify(e)))?;
+        .map_err(err)?;
     }
     let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
-    let mut deliveries = ch
-        .basic_consume(q.name().clone(), "queueguard-events".into(), no_ack, FieldTable::default())
+    let mut deliveries = amqp
+        .bounded(ch.basic_consume(q.name().clone(), "queueguard-events".into(), no_ack, FieldTable::default()))
         .await
-        .map_err(|e| err(amqp.classify(e)))?;
+        .map_err(err)?;
     t.set_events(Ok(()));
     // Whatever happened before the subscription only a snapshot can tell.
     t.request_resync();

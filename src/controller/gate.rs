@@ -159,7 +159,12 @@ impl Gate {
             }
             Binding { source, queue }
         });
-        self.update(|i| i.bind(policy, binding));
+        let sources = self.update(|i| {
+            i.bind(policy, binding);
+            i.sources()
+        });
+        // A tracker no policy counts through any more (credentials rotated) is let go.
+        lock(&self.trackers).retain(|id, _| sources.contains(id));
     }
 
     /// The policy as the reconcile sees it (the watch may not have delivered it yet).

@@ -146,9 +146,11 @@ impl Context {
         let recorder = Recorder::new(client.clone(), reporter);
         let metrics: Arc<Metrics> = Arc::default();
         let (gate, wake_rx) = Gate::start(client.clone(), recorder.clone(), metrics.clone(), limits);
+        let brokers = Arc::new(BrokerPool::new(connection_name));
+        tokio::spawn(sweep_brokers(Arc::downgrade(&brokers)));
         Self {
             recorder,
-            brokers: Arc::new(BrokerPool::new(connection_name)),
+            brokers,
             metrics,
             client,
             limits,
@@ -166,6 +168,19 @@ impl Context {
     /// consumers changed, or their queue was deleted); there is one receiver, for the controller.
     pub fn take_trigger_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
         self.wake_rx.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Lets go of broker endpoints no policy has asked for in a while (its Secret rotated, its
+/// policies gone): their connections close.
+async fn sweep_brokers(pool: std::sync::Weak<BrokerPool>) {
+    const EVERY: Duration = Duration::from_secs(10);
+    loop {
+        tokio::time::sleep(EVERY).await;
+        let Some(pool) = pool.upgrade() else { return };
+        if let Some(since) = Instant::now().checked_sub(crate::broker::IDLE_ENDPOINT) {
+            pool.sweep(since);
+        }
     }
 }
 

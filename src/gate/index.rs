@@ -847,6 +847,11 @@ impl GateIndex {
             .unwrap_or_default()
     }
 
+    /// The trackers some policy counts consumers through.
+    pub fn sources(&self) -> BTreeSet<u64> {
+        self.bound.keys().map(|(source, _)| *source).collect()
+    }
+
     /// Pods tracked, for metrics and benchmarks.
     pub fn pod_count(&self) -> usize {
         self.pods.len()
