@@ -10,12 +10,15 @@ use lapin::{
     types::{AMQPValue, FieldTable},
 };
 use queueguard::{
-    broker::BrokerPool,
+    broker::{BrokerCredentials, BrokerPool},
     converge::{self, Cleanup, Mode},
     status::{Reason, Truth},
 };
 use serde_json::{Value, json};
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 #[tokio::test]
 async fn policy_mode_puts_every_setting_in_an_operator_policy() {
@@ -504,4 +507,57 @@ async fn a_connection_closed_under_a_burst_of_converges_fails_none_of_them() {
     for plan in plans.iter().chain([&quorum]) {
         remove_all(plan).await;
     }
+}
+
+/// A Secret whose password a secret manager rotates 20 times: each rotation's endpoint and
+/// tracker replace the last, whose connections close once swept, so the broker sees the same
+/// two connections (declarations and events) after every rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_credential_rotations_leave_the_connection_count_constant() {
+    let user = unique("rotate-user");
+    let set_password = |password: String| {
+        let user = user.clone();
+        async move { mgmt_put(&format!("users/{}", enc(&user)), json!({"password": password, "tags": "administrator"})).await }
+    };
+    set_password("p0".into()).await;
+    let everything = json!({"configure": ".*", "write": ".*", "read": ".*"});
+    mgmt_put(&format!("permissions/%2F/{}", enc(&user)), everything).await;
+    let pool = BrokerPool::new(unique("rotate-conn"));
+    let plan = plan_of(&policy(&unique("rotate"), "{}"));
+    let mut counts = Vec::new();
+    for round in 1..=20 {
+        let password = format!("p{round}");
+        set_password(password.clone()).await;
+        let uri = format!("amqp://{}:{password}@{}/%2F", enc(&user), broker_addr());
+        let creds = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: None };
+        let rotated_at = Instant::now();
+        let broker = queueguard::reconcile::connect(&pool, &plan, &creds).unwrap();
+        assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "round {round}");
+        let tracker = pool.tracker(&broker.uri, None).unwrap();
+        let events = eventually(Duration::from_secs(10), || async {
+            tracker.tracking("/") == queueguard::consumers::Tracking::Events
+        });
+        assert!(events.await, "round {round}: {}", tracker.tracking("/"));
+        drop((broker, tracker));
+        // What the controller's sweep does a minute after the last reconcile on the old Secret.
+        pool.sweep(rotated_at);
+        eventually(Duration::from_secs(5), || async { connections_of(&user) == 2 }).await;
+        counts.push(connections_of(&user));
+    }
+    assert_eq!(counts, vec![2; 20], "connections of the rotated user after each rotation");
+    let states = pool.connection_states();
+    assert_eq!(states.len(), 2, "one declarations and one events series: {states:?}");
+    assert!(states.iter().all(|(_, _, up)| *up), "{states:?}");
+    drop(pool);
+    assert!(eventually(Duration::from_secs(5), || async { connections_of(&user) == 0 }).await);
+    remove_all(&plan).await;
+    mgmt_delete(&format!("users/{}", enc(&user))).await;
+}
+
+/// The broker's own count of `user`'s connections (rabbitmqctl: the management API lists a new
+/// connection only after its statistics interval).
+fn connections_of(user: &str) -> usize {
+    let out = std::process::Command::new("rabbitmqctl").args(["list_connections", "-q", "user"]).output().unwrap();
+    assert!(out.status.success(), "rabbitmqctl list_connections");
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.trim() == user).count()
 }

@@ -92,7 +92,8 @@ pub struct ConsumerTracker {
     vhosts: Mutex<BTreeMap<String, Vhost>>,
     /// Bumped after every snapshot, for [`Self::wait_synced`].
     snapshots: watch::Sender<u64>,
-    resync: Notify,
+    /// Shared with the resync loop, which must not hold the tracker while it waits.
+    resync: Arc<Notify>,
     /// Queues whose deletion matters, and whether the last snapshot saw them.
     watched: Mutex<HashMap<QueueKey, bool>>,
     deleted: Mutex<HashSet<QueueKey>>,
@@ -111,7 +112,7 @@ impl ConsumerTracker {
             events: Mutex::default(),
             vhosts: Mutex::default(),
             snapshots: watch::channel(0).0,
-            resync: Notify::new(),
+            resync: Arc::default(),
             watched: Mutex::default(),
             deleted: Mutex::default(),
         });
@@ -336,9 +337,13 @@ async fn resync_loop(tracker: Weak<ConsumerTracker>) {
         let due = t.due(now_ms());
         futures::future::join_all(due.iter().map(|vhost| t.snapshot(vhost))).await;
         let wait = t.idle(now_ms());
+        let resync = t.resync.clone();
+        // Dropped while waiting, so a tracker let go closes its connection now, not at its
+        // next snapshot.
+        drop(t);
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
-            _ = t.resync.notified() => {}
+            _ = resync.notified() => {}
         }
     }
 }

@@ -163,7 +163,12 @@ impl Gate {
             i.bind(policy, binding);
             i.sources()
         });
-        // A tracker no policy counts through any more (credentials rotated) is let go.
+        self.keep_trackers(&sources);
+    }
+
+    /// Lets go of the trackers no policy counts through any more (credentials rotated, policies
+    /// gone), so their connections can close.
+    fn keep_trackers(&self, sources: &std::collections::BTreeSet<u64>) {
         lock(&self.trackers).retain(|id, _| sources.contains(id));
     }
 
@@ -174,7 +179,11 @@ impl Gate {
     }
 
     pub fn forget_policy(&self, policy: &ObjectKey) {
-        self.update(|i| i.remove_policy(policy));
+        let sources = self.update(|i| {
+            i.remove_policy(policy);
+            i.sources()
+        });
+        self.keep_trackers(&sources);
     }
 
     pub fn view(&self, policy: &ObjectKey) -> Option<gate::index::PolicyView> {
