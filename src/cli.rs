@@ -302,7 +302,12 @@ async fn apply(args: ApplyArgs) -> ExitCode {
         eprintln!("error: {}: no QueuePolicy found", args.file);
         return ExitCode::from(2);
     }
-    let broker = args.broker.map(|uri| BrokerCredentials { uri, management_uri: args.management, ca_cert: None });
+    let broker = args.broker.map(|uri| BrokerCredentials {
+        uri,
+        management_uri: args.management,
+        ca_cert: None,
+        addresses: None,
+    });
     let pool = BrokerPool::new("queueguard-apply");
     let results = local::apply(&manifest, broker.as_ref(), &pool, Limits::default()).await;
     for r in &results {

@@ -32,7 +32,7 @@ pub fn endpoint(
     vhost: Option<&str>,
     creds: &BrokerCredentials,
 ) -> Result<Arc<Broker>, Check> {
-    let uri = BrokerUri::parse(&creds.uri, creds.management_uri.as_deref())
+    let uri = BrokerUri::parse_cluster(&creds.uri, creds.management_uri.as_deref(), creds.addresses.as_deref())
         .map_err(|e| Check::failed(Reason::InvalidBrokerUri, format!("Secret '{secret_name}' key {e}")))?;
     let uri = match vhost {
         Some(vhost) => uri.with_vhost(vhost),

@@ -1,4 +1,5 @@
-//! Broker credentials from a Kubernetes Secret: key `uri`, optional `managementUri` and `caCert`.
+//! Broker credentials from a Kubernetes Secret: key `uri`, optional `managementUri`, `caCert` and
+//! `addresses`.
 
 use crate::{
     broker::BrokerCredentials,
@@ -9,6 +10,7 @@ use k8s_openapi::api::core::v1::Secret;
 pub const URI_KEY: &str = "uri";
 pub const MANAGEMENT_URI_KEY: &str = "managementUri";
 pub const CA_CERT_KEY: &str = "caCert";
+pub const ADDRESSES_KEY: &str = "addresses";
 
 /// Reads the credentials, or says which key is missing or unreadable (never its value).
 pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {
@@ -32,7 +34,12 @@ pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {
             format!("Secret '{name}' has no key '{URI_KEY}' (expected amqp[s]://user:password@host:port/vhost)"),
         )
     })?;
-    Ok(BrokerCredentials { uri, management_uri: read(MANAGEMENT_URI_KEY)?, ca_cert: read(CA_CERT_KEY)? })
+    Ok(BrokerCredentials {
+        uri,
+        management_uri: read(MANAGEMENT_URI_KEY)?,
+        ca_cert: read(CA_CERT_KEY)?,
+        addresses: read(ADDRESSES_KEY)?,
+    })
 }
 
 #[cfg(test)]

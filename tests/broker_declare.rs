@@ -517,7 +517,9 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
     let user = unique("rotate-user");
     let set_password = |password: String| {
         let user = user.clone();
-        async move { mgmt_put(&format!("users/{}", enc(&user)), json!({"password": password, "tags": "administrator"})).await }
+        async move {
+            mgmt_put(&format!("users/{}", enc(&user)), json!({"password": password, "tags": "administrator"})).await
+        }
     };
     set_password("p0".into()).await;
     let everything = json!({"configure": ".*", "write": ".*", "read": ".*"});
@@ -529,7 +531,7 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
         let password = format!("p{round}");
         set_password(password.clone()).await;
         let uri = format!("amqp://{}:{password}@{}/%2F", enc(&user), broker_addr());
-        let creds = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: None };
+        let creds = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: None, addresses: None };
         let rotated_at = Instant::now();
         let broker = queueguard::reconcile::connect(&pool, &plan, &creds).unwrap();
         assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "round {round}");

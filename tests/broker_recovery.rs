@@ -17,7 +17,8 @@ async fn an_outage_is_reported_and_recovered_from_without_a_restart() {
     let proxy = Proxy::start(&broker_addr()).await;
     let name = unique("outage");
     let plan = plan_of(&policy(&name, "{}"));
-    let creds = BrokerCredentials { uri: proxy.uri(), management_uri: Some(management_base()), ca_cert: None };
+    let creds =
+        BrokerCredentials { uri: proxy.uri(), management_uri: Some(management_base()), ca_cert: None, addresses: None };
     let pool = BrokerPool::new(unique("conn"));
     let broker = reconcile::connect(&pool, &plan, &creds).unwrap();
     assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());

@@ -64,7 +64,8 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     let plan = plan_of(&policy(&name, "{}"));
     let uri = format!("amqps://guest:guest@127.0.0.1:{port}/%2F");
 
-    let untrusted = BrokerCredentials { uri: uri.clone(), management_uri: Some(management_base()), ca_cert: None };
+    let untrusted =
+        BrokerCredentials { uri: uri.clone(), management_uri: Some(management_base()), ca_cert: None, addresses: None };
     let pool = BrokerPool::new(unique("conn"));
     let broker = reconcile::connect(&pool, &plan, &untrusted).unwrap();
     let refused = converge::converge(&plan, &broker, &[], Mode::Declare).await;
@@ -75,7 +76,8 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     );
     assert!(!exists(&name).await);
 
-    let trusted = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: Some(ca) };
+    let trusted =
+        BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: Some(ca), addresses: None };
     let broker = reconcile::connect(&pool, &plan, &trusted).unwrap();
     assert_eq!(broker.uri.display(), format!("amqps://127.0.0.1:{port}/%2F"));
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;

@@ -4,7 +4,10 @@
 //! backoff between attempts so a down broker is not hammered by every reconcile. Channels are
 //! pooled: a channel the broker closed (a refused declare closes it) is simply not returned.
 
-use super::{refusal::Refusal, uri::BrokerUri};
+use super::{
+    refusal::Refusal,
+    uri::{BrokerUri, Node},
+};
 use lapin::{Channel, Connection, ConnectionProperties, ErrorKind, tcp::OwnedTLSConfig};
 use std::{
     sync::{
@@ -149,20 +152,15 @@ impl AmqpEndpoint {
         if let Some(retry_in) = state.backoff.wait(now) {
             return Err(self.unreachable(state.last_error.clone(), retry_in));
         }
-        match tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await {
-            Ok(Ok(conn)) => {
+        match self.connect_any().await {
+            Ok(conn) => {
                 let conn = Arc::new(conn);
                 self.opened.fetch_add(1, Ordering::Relaxed);
                 state.backoff = Backoff::default();
                 state.conn = Some(conn.clone());
-                tracing::info!(broker = %self.display(), "connected");
                 Ok(conn)
             }
-            outcome => {
-                let detail = match outcome {
-                    Ok(Err(e)) => self.uri.redact(&describe(&e)),
-                    _ => format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
-                };
+            Err(detail) => {
                 let retry_in = state.backoff.failed(now);
                 state.last_error = detail.clone();
                 tracing::warn!(broker = %self.display(), %detail, ?retry_in, "connection failed");
@@ -171,11 +169,29 @@ impl AmqpEndpoint {
         }
     }
 
-    async fn connect(&self) -> lapin::Result<Connection> {
+    /// Connects to the first node that answers, in the order given (a cluster's `addresses`);
+    /// fails with what each node said.
+    async fn connect_any(&self) -> Result<Connection, String> {
+        let mut failures = Vec::new();
+        for node in self.uri.nodes() {
+            let detail = match tokio::time::timeout(CONNECT_TIMEOUT, self.connect(node)).await {
+                Ok(Ok(conn)) => {
+                    tracing::info!(broker = %self.display(), %node, "connected");
+                    return Ok(conn);
+                }
+                Ok(Err(e)) => self.uri.redact(&describe(&e)),
+                Err(_) => format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
+            };
+            failures.push(if self.uri.nodes().len() > 1 { format!("{node}: {detail}") } else { detail });
+        }
+        Err(failures.join("; "))
+    }
+
+    async fn connect(&self, node: &Node) -> lapin::Result<Connection> {
         let props = ConnectionProperties::default().with_connection_name(self.connection_name.clone().into());
         let tls = OwnedTLSConfig { identity: None, cert_chain: self.ca_cert.clone() };
         let runtime = lapin::runtime::default_runtime()?;
-        let mut uri = self.uri.amqp().clone();
+        let mut uri = self.uri.amqp_at(node);
         uri.query.frame_max = Some(FRAME_MAX);
         Connection::connect_uri_with_config(uri, props, tls, runtime).await
     }

@@ -109,6 +109,16 @@ pub struct ConnectionSummary {
     pub connected_at: Option<i64>,
 }
 
+/// A cluster node as the management API reports it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct NodeInfo {
+    pub name: String,
+    #[serde(default)]
+    pub running: bool,
+    #[serde(default)]
+    pub enabled_plugins: Vec<String>,
+}
+
 /// A consumer as the management API reports it.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 pub struct ConsumerInfo {
@@ -143,6 +153,9 @@ pub struct ChannelDetails {
     pub name: String,
     #[serde(default)]
     pub peer_host: Option<String>,
+    /// The node the channel lives on.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 impl ConnectionInfo {
@@ -171,6 +184,8 @@ pub struct ManagementClient {
     in_flight: Arc<tokio::sync::Semaphore>,
     writes: Arc<tokio::sync::Semaphore>,
     policies: Arc<tokio::sync::Mutex<PolicyCache>>,
+    /// The base URL requests go to now: the next one after a node stopped answering.
+    current: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl ManagementClient {
@@ -186,7 +201,7 @@ impl ManagementClient {
             builder = builder.tls_certs_merge([cert]);
         }
         let http = builder.build().map_err(|e| ManagementError::Unreachable {
-            endpoint: endpoint.base_url.to_string(),
+            endpoint: endpoint.base_url().to_string(),
             detail: e.to_string(),
         })?;
         Ok(Self {
@@ -196,11 +211,18 @@ impl ManagementClient {
             in_flight: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
             writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             policies: Default::default(),
+            current: Default::default(),
         })
     }
 
+    /// The base URL in use now.
     pub fn display(&self) -> String {
-        self.endpoint.base_url.to_string()
+        self.base_url().to_string()
+    }
+
+    fn base_url(&self) -> &reqwest::Url {
+        let urls = &self.endpoint.base_urls;
+        &urls[self.current.load(std::sync::atomic::Ordering::Relaxed) % urls.len()]
     }
 
     /// Requests sent so far.
@@ -290,6 +312,11 @@ impl ManagementClient {
         Ok(rows.iter().filter_map(|r| r.get("name")?.as_str().map(str::to_owned)).collect())
     }
 
+    /// The cluster's nodes: whether each runs, and its plugins.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>, ManagementError> {
+        Ok(self.get_query(&["nodes"], "columns=name,running,enabled_plugins").await?.unwrap_or_default())
+    }
+
     /// Force-closes a client connection, as an administrator would.
     pub async fn close_connection(&self, name: &str) -> Result<(), ManagementError> {
         self.send(Method::DELETE, &["connections", name], None).await.map(drop)
@@ -316,6 +343,9 @@ impl ManagementClient {
         self.send_query(method, path, "", body).await
     }
 
+    /// Sends one request to the node in use, and on to the next nodes in turn while they are
+    /// unreachable (every request here is a read or an idempotent write). The node that answers
+    /// is used from then on.
     async fn send_query(
         &self,
         method: Method,
@@ -327,6 +357,25 @@ impl ManagementClient {
         let _write_permit =
             if write { Some(self.writes.acquire().await.expect("the semaphore is never closed")) } else { None };
         let _permit = self.in_flight.acquire().await.expect("the semaphore is never closed");
+        let mut outcome = self.attempt(method.clone(), path, query, body.clone()).await;
+        for _ in 1..self.endpoint.base_urls.len() {
+            let Err(ManagementError::Unreachable { detail, .. }) = &outcome else { break };
+            let from = self.display();
+            self.current.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(%from, to = %self.display(), %detail, "management API unreachable; trying the next node");
+            outcome = self.attempt(method.clone(), path, query, body.clone()).await;
+        }
+        outcome
+    }
+
+    async fn attempt(
+        &self,
+        method: Method,
+        path: &[&str],
+        query: &str,
+        body: Option<Value>,
+    ) -> Result<Option<Vec<u8>>, ManagementError> {
+        let write = method != Method::GET;
         self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut url = self.url(path);
         if !query.is_empty() {
@@ -363,7 +412,7 @@ impl ManagementClient {
 
     fn url(&self, path: &[&str]) -> reqwest::Url {
         let encoded: Vec<String> = path.iter().map(|p| utf8_percent_encode(p, NON_ALPHANUMERIC).to_string()).collect();
-        let mut url = self.endpoint.base_url.clone();
+        let mut url = self.base_url().clone();
         url.set_path(&format!("{}api/{}", url.path(), encoded.join("/")));
         url
     }
@@ -433,7 +482,7 @@ mod tests {
     #[test]
     fn urls_encode_every_segment() {
         let endpoint = ManagementEndpoint {
-            base_url: "http://h:15672/prefix/".parse().unwrap(),
+            base_urls: vec!["http://h:15672/prefix/".parse().unwrap()],
             username: "u".into(),
             password: "p".into(),
         };
@@ -480,7 +529,7 @@ mod tests {
                 });
             }
         });
-        let endpoint = ManagementEndpoint { base_url, username: "u".into(), password: "p".into() };
+        let endpoint = ManagementEndpoint { base_urls: vec![base_url], username: "u".into(), password: "p".into() };
         (ManagementClient::new(endpoint, None).unwrap(), seen)
     }
 

@@ -28,6 +28,8 @@ pub struct BrokerCredentials {
     pub management_uri: Option<String>,
     /// `caCert`: PEM bundle trusted for amqps:// and https:// (default: the system's roots)
     pub ca_cert: Option<String>,
+    /// `addresses`: `host:port,host:port` of a cluster's nodes, tried in order
+    pub addresses: Option<String>,
 }
 
 impl std::fmt::Debug for BrokerCredentials {

@@ -1,4 +1,5 @@
-//! Broker addresses from a Secret: parsing, the management endpoint, and redaction.
+//! Broker addresses from a Secret: parsing, the cluster's nodes, the management endpoint, and
+//! redaction.
 //!
 //! Credentials live only inside [`BrokerUri`]; everything that can reach a log, a status or an
 //! Event goes through [`BrokerUri::display`] or [`BrokerUri::redact`].
@@ -16,20 +17,45 @@ use url::Url;
 #[derive(Clone, PartialEq, Eq)]
 pub struct BrokerUri {
     amqp: AMQPUri,
+    /// The nodes to connect to, in the order to try them: the Secret's `addresses`, else the
+    /// URI's own host and port (which may be a load balancer in front of a cluster).
+    nodes: Vec<Node>,
     management: ManagementEndpoint,
 }
 
-/// The management API: a base URL without credentials, plus the credentials.
+/// One `host:port` of a cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Node {
+    pub host: String,
+    pub port: u16,
+}
+
+impl fmt::Display for Node {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", bracket_ipv6(&self.host), self.port)
+    }
+}
+
+/// The management API: base URLs without credentials (one per node, tried in order), plus the
+/// credentials.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ManagementEndpoint {
-    pub base_url: Url,
+    pub base_urls: Vec<Url>,
     pub username: String,
     pub password: String,
 }
 
+impl ManagementEndpoint {
+    /// The first base URL, the one tried first.
+    pub fn base_url(&self) -> &Url {
+        &self.base_urls[0]
+    }
+}
+
 impl fmt::Debug for ManagementEndpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ManagementEndpoint({})", self.base_url)
+        let urls: Vec<&str> = self.base_urls.iter().map(Url::as_str).collect();
+        write!(f, "ManagementEndpoint({})", urls.join(","))
     }
 }
 
@@ -50,6 +76,14 @@ impl BrokerUri {
     /// Parses the Secret's `uri` and optional `managementUri`. Error messages never quote the
     /// input, since it carries a password.
     pub fn parse(uri: &str, management_uri: Option<&str>) -> Result<Self, UriError> {
+        Self::parse_cluster(uri, management_uri, None)
+    }
+
+    /// As [`Self::parse`], with the Secret's optional `addresses`: `host:port` of each node, comma
+    /// separated, in the order to try (as Spring's `spring.rabbitmq.addresses`). The URI then
+    /// gives only the scheme, credentials, vhost and options. `managementUri` may list one URL
+    /// per node the same way; without it each node's own management port is used.
+    pub fn parse_cluster(uri: &str, management_uri: Option<&str>, addresses: Option<&str>) -> Result<Self, UriError> {
         let err = |field, why: &str| UriError { field, why: why.to_owned() };
         let url = Url::parse(uri.trim()).map_err(|e| err("uri", &format!("not a URI ({e})")))?;
         let scheme = match url.scheme() {
@@ -87,19 +121,53 @@ impl BrokerUri {
             vhost,
             query: AMQPQueryString { heartbeat, ..Default::default() },
         };
+        let nodes = match addresses.map(str::trim).filter(|a| !a.is_empty()) {
+            Some(list) => parse_addresses(list, amqp.scheme.default_port())?,
+            None => vec![Node { host: host.clone(), port }],
+        };
         let management = match management_uri.map(str::trim).filter(|m| !m.is_empty()) {
-            Some(m) => parse_management(m, &username, &password)?,
+            Some(list) => {
+                let parsed = list
+                    .split(',')
+                    .map(|m| parse_management(m.trim(), &username, &password))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let first = parsed[0].clone();
+                ManagementEndpoint {
+                    base_urls: parsed.into_iter().flat_map(|m| m.base_urls).collect(),
+                    username: first.username,
+                    password: first.password,
+                }
+            }
             None => {
                 let (scheme, port) = match scheme {
                     AMQPScheme::AMQP => ("http", 15672),
                     AMQPScheme::AMQPS => ("https", 15671),
                 };
-                let base_url = Url::parse(&format!("{scheme}://{}:{port}/", bracket_ipv6(&host)))
+                let base_urls = nodes
+                    .iter()
+                    .map(|n| Url::parse(&format!("{scheme}://{}:{port}/", bracket_ipv6(&n.host))))
+                    .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| err("uri", &format!("cannot derive the management URI ({e})")))?;
-                ManagementEndpoint { base_url, username, password }
+                ManagementEndpoint { base_urls, username, password }
             }
         };
-        Ok(Self { amqp, management })
+        let mut amqp = amqp;
+        amqp.authority.host = nodes[0].host.clone();
+        amqp.authority.port = nodes[0].port;
+        Ok(Self { amqp, nodes, management })
+    }
+
+    /// The nodes, in the order to try them.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// The AMQP URI of one node.
+    pub fn amqp_at(&self, node: &Node) -> AMQPUri {
+        let mut amqp = self.amqp.clone();
+        amqp.authority.host = node.host.clone();
+        amqp.authority.port = node.port;
+        amqp
     }
 
     /// The same broker, another vhost (spec.broker.vhost overrides the URI's).
@@ -124,13 +192,14 @@ impl BrokerUri {
         self.amqp.scheme == AMQPScheme::AMQPS
     }
 
-    /// `amqp://host:5672/vhost`: what logs, status and Events may show.
+    /// `amqp://host:5672/vhost` (`amqp://a:5672,b:5672/vhost` for several nodes): what logs,
+    /// status and Events may show.
     pub fn display(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(Node::to_string).collect();
         format!(
-            "{}://{}:{}/{}",
+            "{}://{}/{}",
             self.amqp.scheme,
-            self.amqp.authority.host,
-            self.amqp.authority.port,
+            nodes.join(","),
             percent_encoding::utf8_percent_encode(&self.amqp.vhost, percent_encoding::NON_ALPHANUMERIC)
         )
     }
@@ -139,7 +208,10 @@ impl BrokerUri {
     pub fn endpoint_key(&self) -> u64 {
         let mut h = DefaultHasher::new();
         self.amqp.to_string().hash(&mut h);
-        self.management.base_url.as_str().hash(&mut h);
+        self.nodes.hash(&mut h);
+        for url in &self.management.base_urls {
+            url.as_str().hash(&mut h);
+        }
         self.management.username.hash(&mut h);
         self.management.password.hash(&mut h);
         h.finish()
@@ -181,7 +253,30 @@ fn parse_management(uri: &str, username: &str, password: &str) -> Result<Managem
         url.set_path(&path);
     }
     url.set_query(None);
-    Ok(ManagementEndpoint { base_url: url, username: user, password: pass })
+    Ok(ManagementEndpoint { base_urls: vec![url], username: user, password: pass })
+}
+
+/// `host:port,host:port` (port optional, `[v6]:port` for IPv6). Never quotes the input back:
+/// a Secret's value is no place to echo from.
+fn parse_addresses(list: &str, default_port: u16) -> Result<Vec<Node>, UriError> {
+    let err = |why: String| UriError { field: "addresses", why };
+    list.split(',')
+        .enumerate()
+        .map(|(i, item)| {
+            let item = item.trim();
+            let url = Url::parse(&format!("amqp://{item}"))
+                .ok()
+                .filter(|u| u.username().is_empty() && u.path().is_empty() && u.query().is_none());
+            let host = url.as_ref().and_then(|u| u.host_str()).filter(|h| !h.is_empty() && !item.is_empty());
+            match host {
+                Some(host) => Ok(Node {
+                    host: host.trim_matches(['[', ']']).to_owned(),
+                    port: url.as_ref().and_then(Url::port).unwrap_or(default_port),
+                }),
+                None => Err(err(format!("entry {} is not host:port (expected host:port,host:port,...)", i + 1))),
+            }
+        })
+        .collect()
 }
 
 fn decode(s: &str) -> Result<String, std::str::Utf8Error> {
@@ -202,7 +297,7 @@ mod tests {
         assert_eq!(uri.vhost(), "orders");
         assert_eq!(uri.amqp().authority.host, "rabbit.shop.svc");
         assert_eq!(uri.display(), "amqp://rabbit.shop.svc:5672/orders");
-        assert_eq!(uri.management().base_url.as_str(), "http://rabbit.shop.svc:15672/");
+        assert_eq!(uri.management().base_url().as_str(), "http://rabbit.shop.svc:15672/");
         assert_eq!(uri.management().username, "app");
         assert_eq!(uri.management().password, "s3cret");
     }
@@ -222,14 +317,14 @@ mod tests {
         let uri = BrokerUri::parse("amqps://u:p@mq.example.com/v", None).unwrap();
         assert!(uri.is_tls());
         assert_eq!(uri.amqp().authority.port, 5671);
-        assert_eq!(uri.management().base_url.as_str(), "https://mq.example.com:15671/");
+        assert_eq!(uri.management().base_url().as_str(), "https://mq.example.com:15671/");
     }
 
     #[test]
     fn management_uri_credentials_are_taken_out_of_the_url() {
         let uri = BrokerUri::parse("amqp://u:p@h/", Some("https://admin:pw%21@mgmt.example.com:443/rabbit")).unwrap();
         let m = uri.management();
-        assert_eq!(m.base_url.as_str(), "https://mgmt.example.com/rabbit/");
+        assert_eq!(m.base_url().as_str(), "https://mgmt.example.com/rabbit/");
         assert_eq!((m.username.as_str(), m.password.as_str()), ("admin", "pw!"));
         let inherited = BrokerUri::parse("amqp://u:p@h/", Some("http://mgmt:15672")).unwrap();
         assert_eq!(inherited.management().username, "u");
@@ -269,5 +364,42 @@ mod tests {
         assert_ne!(a.endpoint_key(), b.endpoint_key());
         let c = BrokerUri::parse("amqp://u:other@h/", None).unwrap();
         assert_ne!(a.endpoint_key(), c.endpoint_key());
+    }
+
+    #[test]
+    fn addresses_list_the_nodes_to_try_in_order() {
+        let uri =
+            BrokerUri::parse_cluster("amqp://u:p@lb.example.com/orders", None, Some("a:5701, b ,[::1]:5703")).unwrap();
+        let nodes: Vec<String> = uri.nodes().iter().map(Node::to_string).collect();
+        assert_eq!(nodes, ["a:5701", "b:5672", "[::1]:5703"]);
+        assert_eq!(uri.display(), "amqp://a:5701,b:5672,[::1]:5703/orders");
+        assert_eq!(uri.amqp_at(&uri.nodes()[1]).authority.host, "b");
+        let urls: Vec<&str> = uri.management().base_urls.iter().map(Url::as_str).collect();
+        assert_eq!(
+            urls,
+            ["http://a:15672/", "http://b:15672/", "http://[::1]:15672/"],
+            "each node's own management port"
+        );
+        let listed =
+            BrokerUri::parse_cluster("amqp://u:p@h/", Some("http://a:15701, http://b:15702"), Some("a:5701,b:5702"))
+                .unwrap();
+        let urls: Vec<&str> = listed.management().base_urls.iter().map(Url::as_str).collect();
+        assert_eq!(urls, ["http://a:15701/", "http://b:15702/"]);
+        assert_ne!(
+            uri.endpoint_key(),
+            BrokerUri::parse("amqp://u:p@lb.example.com/orders", None).unwrap().endpoint_key()
+        );
+    }
+
+    #[test]
+    fn a_uri_without_addresses_is_one_node_and_bad_addresses_are_named_not_quoted() {
+        let one = BrokerUri::parse_cluster("amqp://u:p@lb:5672/", None, Some("  ")).unwrap();
+        assert_eq!(one.nodes(), [Node { host: "lb".into(), port: 5672 }]);
+        assert_eq!(one.display(), "amqp://lb:5672/%2F");
+        for bad in ["a:5701,,b:5702", "u:topsecret@a:1", "a:notaport", "a/x"] {
+            let e = BrokerUri::parse_cluster("amqp://u:p@h/", None, Some(bad)).unwrap_err();
+            assert_eq!(e.field, "addresses", "{bad}");
+            assert!(!e.to_string().contains("topsecret"), "{e}");
+        }
     }
 }

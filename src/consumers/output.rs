@@ -80,6 +80,7 @@ mod tests {
             ack_required: ack,
             since_ms: 1_764_700_000_000,
             connected_ms: None,
+            node: None,
         }
     }
 

@@ -60,6 +60,10 @@ pub struct Consumer {
     /// older than a pod's IP cannot be that pod's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub connected_ms: Option<i64>,
+    /// The broker node its channel lives on (`rabbit@host`), where known: when that node goes
+    /// down no event says so, and the consumer is gone with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 impl Consumer {
@@ -211,6 +215,7 @@ impl Registry {
                 };
                 let facts = self.connection_facts.get(connection_of(&channel)).cloned().unwrap_or_default();
                 let consumer = Consumer {
+                    node: node_of_pid(&channel_pid),
                     peer_host: peer_of(&channel),
                     connection_name: facts.user_provided_name,
                     connected_ms: facts.connected_ms,
@@ -398,6 +403,29 @@ impl Registry {
         attached
     }
 
+    /// Forgets every consumer whose channel lived on a node that is down (a crashed node sends
+    /// no events for what it held), and what waited to be placed there.
+    pub fn nodes_down(&mut self, down: &BTreeSet<String>, now_ms: i64) -> Vec<Change> {
+        let on_down = |pid: &str| node_of_pid(pid).is_some_and(|n| down.contains(&n));
+        self.unplaced.retain(|u| !on_down(&u.channel_pid));
+        let dead_pids: Vec<String> = self.channels.keys().filter(|pid| on_down(pid)).cloned().collect();
+        let mut dead_channels = BTreeSet::new();
+        for pid in dead_pids {
+            if let Some(channel) = self.channels.remove(&pid) {
+                self.channel_pids.remove(&channel);
+                dead_channels.insert(channel);
+            }
+        }
+        self.connections.retain(|pid, _| !on_down(pid));
+        let keys: Vec<Key> = self
+            .consumers
+            .iter()
+            .filter(|(k, c)| c.node.as_ref().is_some_and(|n| down.contains(n)) || dead_channels.contains(&k.0))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
+    }
+
     /// Consumers of one queue, oldest first.
     pub fn consumers_on(&self, queue: &QueueKey) -> Vec<Consumer> {
         let mut list: Vec<Consumer> =
@@ -410,6 +438,17 @@ impl Registry {
     pub fn resync_wanted(&self) -> &BTreeSet<String> {
         &self.resync_wanted
     }
+}
+
+/// `<rabbit@host.example.1796318000.1773.0>` → `rabbit@host.example`: an Erlang pid's text ends in
+/// three numbers after the node's name.
+pub fn node_of_pid(pid: &str) -> Option<String> {
+    let inner = pid.strip_prefix('<')?.strip_suffix('>')?;
+    let mut parts = inner.rsplitn(4, '.');
+    let numbers: Vec<&str> = parts.by_ref().take(3).collect();
+    let node = parts.next()?;
+    (numbers.len() == 3 && numbers.iter().all(|n| n.parse::<u64>().is_ok()) && node.contains('@'))
+        .then(|| node.to_owned())
 }
 
 /// `10.0.0.5:43210 -> 10.0.0.9:5672 (1)` → `10.0.0.5`, IPv6 included (`::1:43210 -> ...`).
@@ -485,6 +524,7 @@ mod tests {
             ack_required: true,
             since_ms: since,
             connected_ms: None,
+            node: None,
         }
     }
 
@@ -673,5 +713,57 @@ mod tests {
         assert_eq!(connection_of("no channel number"), "no channel number");
         assert_eq!(QueueKey::new("/", "orders").to_string(), "orders");
         assert_eq!(QueueKey::new("shop", "orders").to_string(), "shop/orders");
+    }
+
+    #[test]
+    fn node_names_come_from_pid_text() {
+        assert_eq!(node_of_pid("<qb@localhost.1796318000.1773.0>").as_deref(), Some("qb@localhost"));
+        assert_eq!(
+            node_of_pid("<rabbit@mq-0.mq.shop.svc.1796318000.1773.0>").as_deref(),
+            Some("rabbit@mq-0.mq.shop.svc")
+        );
+        for not_a_pid in ["<c1>", "qb@localhost.1.2.3", "<qb@localhost.1.x.3>", "<localhost.1.2.3>"] {
+            assert_eq!(node_of_pid(not_a_pid), None, "{not_a_pid}");
+        }
+    }
+
+    /// A crashed node sends no `consumer.deleted`: its consumers go when the node is seen down,
+    /// from events and snapshots alike, and nothing on the other nodes moves.
+    #[test]
+    fn a_node_seen_down_takes_its_consumers_with_it_and_only_those() {
+        let mut r = Registry::default();
+        let on = |node: &str, n: u32| format!("<{node}@localhost.1796318000.{n}.0>");
+        for (node, n, name) in
+            [("qa", 1, "10.0.0.1:1 -> 10.0.0.9:5701 (1)"), ("qb", 2, "10.0.0.2:1 -> 10.0.0.9:5702 (1)")]
+        {
+            r.apply(BrokerEvent::ChannelCreated { pid: on(node, n), name: name.into() }, 0);
+            r.apply(created_on(&on(node, n), &format!("events-{node}"), 10), 10);
+        }
+        let mut from_snapshot = listed("10.0.0.3:1 -> 10.0.0.9:5702 (1)", "snapshot-qb", 5);
+        from_snapshot.node = Some("qb@localhost".into());
+        let mut elsewhere = listed("10.0.0.4:1 -> 10.0.0.9:5703 (1)", "snapshot-qc", 5);
+        elsewhere.node = Some("qc@localhost".into());
+        r.resync(snapshot(vec![from_snapshot, elsewhere]), 20);
+        r.apply(created_on(&on("qb", 3), "unplaced-qb", 30), 30);
+        assert_eq!(tags(&r), ["snapshot-qb", "snapshot-qc", "events-qa", "events-qb"]);
+
+        let down = BTreeSet::from(["qb@localhost".to_string()]);
+        let gone: Vec<String> = r
+            .nodes_down(&down, 1_000)
+            .into_iter()
+            .map(|c| match c {
+                Change::Detached { consumer } => consumer.tag,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(gone, ["events-qb", "snapshot-qb"]);
+        assert_eq!(tags(&r), ["snapshot-qc", "events-qa"]);
+        assert!(r.nodes_down(&down, 1_100).is_empty(), "seen down twice changes nothing");
+        // A snapshot read before the crash, answered after it, does not bring them back...
+        let mut stale = listed("10.0.0.2:1 -> 10.0.0.9:5702 (1)", "events-qb", 5);
+        stale.node = Some("qb@localhost".into());
+        assert!(r.resync(snapshot(vec![stale, r.consumers_on(&q())[0].clone()]), 1_200).is_empty());
+        // ... and a late duplicate consumer.deleted from the dead node finds nothing.
+        assert!(r.apply(deleted_on(&on("qb", 2), "events-qb"), 1_300).is_empty());
     }
 }

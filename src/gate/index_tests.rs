@@ -60,6 +60,7 @@ fn consumer(queue: &str, peer: &str, since: i64, connected: i64) -> Consumer {
         ack_required: true,
         since_ms: since,
         connected_ms: Some(connected),
+        node: None,
     }
 }
 

@@ -153,6 +153,7 @@ mod tests {
             ack_required: true,
             since_ms: connected + 50,
             connected_ms: Some(connected),
+            node: None,
         }
     }
 

@@ -65,6 +65,7 @@ fn consumer_from(i: u8, since_ms: i64) -> Consumer {
         ack_required: true,
         since_ms,
         connected_ms: None,
+        node: None,
     }
 }
 

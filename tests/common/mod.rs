@@ -62,7 +62,7 @@ pub fn plan_short(policy: &QueuePolicy) -> QueuePlan {
 }
 
 pub fn credentials() -> BrokerCredentials {
-    BrokerCredentials { uri: broker_uri(), management_uri: Some(management_base()), ca_cert: None }
+    BrokerCredentials { uri: broker_uri(), management_uri: Some(management_base()), ca_cert: None, addresses: None }
 }
 
 pub fn broker(pool: &BrokerPool, plan: &QueuePlan) -> Arc<Broker> {
