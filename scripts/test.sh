@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: unit tests, the real-broker tests and the kube glue against a mocked API.
-# Tests that need a real cluster run only when KUBECONFIG is set.
+# The whole test suite: unit tests, the real-broker tests and the kube glue against a mocked API,
+# then the tests against a 3-node RabbitMQ cluster started beside the machine's own broker.
+# Tests that need a real Kubernetes cluster run only when KUBECONFIG is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,12 @@ run_tests() {
 }
 
 run_tests "$@"
+# Alone and one at a time, because they kill and restart the cluster's nodes.
+scripts/rabbitmq-cluster.sh start
+eval "$(scripts/rabbitmq-cluster.sh env)"
+cargo test --test cluster -- --test-threads=1
+scripts/rabbitmq-cluster.sh stop
+unset QUEUEGUARD_CLUSTER_ADDRESSES QUEUEGUARD_CLUSTER_MANAGEMENT
 # Last and alone, because it stops and starts the broker under every other test.
 QUEUEGUARD_TEST_BROKER_RESTART=1 run_tests --test broker_recovery a_real_broker_restart_needs_no_operator_restart
 scripts/rabbitmq.sh

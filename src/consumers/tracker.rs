@@ -533,6 +533,7 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError
         let Ok(delivery) = delivery else { break };
         let Some(headers) = delivery.properties.headers() else { continue };
         let Some(event) = events::parse(delivery.routing_key.as_str(), headers) else { continue };
+        tracing::trace!(?event, "broker event");
         t.apply(event);
     }
     if let Some(t) = tracker.upgrade() {

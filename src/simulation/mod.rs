@@ -32,7 +32,7 @@ use crate::{
 };
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus, DeploymentStrategy};
 use lapin::{
-    BasicProperties, Connection, ConnectionProperties,
+    BasicProperties, Connection,
     options::{BasicPublishOptions, ConfirmSelectOptions},
 };
 use pod::{PodHandle, Tally};
@@ -60,6 +60,11 @@ pub struct Scenario {
     /// The gate's minAttachedSeconds.
     pub min_attached: Duration,
     pub publish_every: Duration,
+    /// Quorum queues (guarded runs), for messages that must survive a broker node.
+    pub quorum: bool,
+    /// Keep rolling out (after `restarts`) until this is set: rollouts during something else,
+    /// a broker's rolling restart, say.
+    pub until: Option<Arc<AtomicBool>>,
 }
 
 impl Scenario {
@@ -74,6 +79,8 @@ impl Scenario {
             attach_ms: (200, 600),
             min_attached: Duration::from_millis(300),
             publish_every: Duration::from_millis(10),
+            quorum: false,
+            until: None,
         }
     }
 
@@ -113,7 +120,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     let guard = if s.guarded {
         let broker = pool.get(uri.clone(), None).map_err(|e| e.to_string())?;
         for queue in &queues {
-            let plan = plan::plan(&demo_policy(queue), Limits::default()).map_err(|e| plan::describe(&e))?;
+            let plan = plan::plan(&demo_policy(queue, s.quorum), Limits::default()).map_err(|e| plan::describe(&e))?;
             let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
             if !outcome.is_ready() {
                 return Err(format!("queueguard could not declare the queue: {}", outcome.ready().message));
@@ -152,7 +159,9 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         tokio::spawn(publish(uri.clone(), queues.clone(), s.publish_every, published.clone(), stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut deletions = 0;
-    for _ in 0..s.restarts {
+    let mut restarts = 0;
+    while restarts < s.restarts || s.until.as_ref().is_some_and(|until| !until.load(Ordering::SeqCst)) {
+        restarts += 1;
         sim.revision += 1;
         sim.roll().await?;
         deletions += count_deletions(&mut changes, &keys);
@@ -176,7 +185,8 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     }
     Ok(Report {
         scenario: s.label().into(),
-        restarts: s.restarts,
+        restarts,
+        reconnects: sim.tally.reconnects(),
         published,
         consumed: unique,
         lost: published.saturating_sub(unique),
@@ -267,9 +277,10 @@ fn count_deletions(changes: &mut tokio::sync::broadcast::Receiver<Change>, keys:
     n
 }
 
-fn demo_policy(queue: &str) -> crate::crd::QueuePolicy {
+fn demo_policy(queue: &str, quorum: bool) -> crate::crd::QueuePolicy {
+    let kind = if quorum { "quorum" } else { "classic" };
     let doc = format!(
-        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: demo, namespace: queueguard-demo}}\nspec:\n  broker: {{secretRef: {{name: demo}}}}\n  queue: {{name: {queue:?}}}\n"
+        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: demo, namespace: queueguard-demo}}\nspec:\n  broker: {{secretRef: {{name: demo}}}}\n  queue: {{name: {queue:?}, type: {kind}}}\n"
     );
     serde_yaml_ng::from_str(&doc).expect("the demo policy parses")
 }
@@ -352,7 +363,7 @@ impl Sim {
                                 self.revision,
                                 &self.uri,
                                 &self.queues,
-                                self.s.guarded,
+                                pod::Declare::of(&self.s),
                                 Duration::from_millis(boot),
                                 Duration::from_millis(attach),
                                 self.tally.clone(),
@@ -437,7 +448,8 @@ impl Sim {
 }
 
 /// Publishes numbered, persistent messages with confirms until told to stop; counts the
-/// confirmed ones.
+/// confirmed ones. A message the broker did not confirm (its connection lost, or nacked) is sent
+/// again, through the next node of a cluster, as a careful publisher does.
 async fn publish(
     uri: BrokerUri,
     queues: Vec<String>,
@@ -445,14 +457,48 @@ async fn publish(
     published: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
 ) -> Result<(), String> {
-    let props = ConnectionProperties::default().with_connection_name("queueguard-demo-publisher".into());
-    let conn = Connection::connect_uri(uri.amqp().clone(), props).await.map_err(|e| e.to_string())?;
-    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.map_err(|e| e.to_string())?;
     let mut seq: u64 = 0;
+    let mut failing_since: Option<Instant> = None;
+    let mut node = 0;
+    while !stop.load(Ordering::SeqCst) {
+        let conn = match pod::connect(&uri, node, "queueguard-demo-publisher").await {
+            Ok(conn) => {
+                failing_since = None;
+                conn
+            }
+            Err(e) => {
+                if failing_since.get_or_insert_with(Instant::now).elapsed() > ROLLOUT_TIMEOUT {
+                    return Err(format!("the publisher could not reconnect: {e}"));
+                }
+                node += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let sent = publish_on(&conn, &queues, every, &mut seq, &published, &stop).await;
+        let _ = conn.close(200, "done".into()).await;
+        if let Err(e) = sent {
+            tracing::info!(error = %e, "demo publisher reconnecting");
+            failing_since.get_or_insert_with(Instant::now);
+            node += 1;
+        }
+    }
+    Ok(())
+}
+
+async fn publish_on(
+    conn: &Connection,
+    queues: &[String],
+    every: Duration,
+    seq: &mut u64,
+    published: &AtomicU64,
+    stop: &AtomicBool,
+) -> lapin::Result<()> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
     while !stop.load(Ordering::SeqCst) {
         let body = seq.to_string();
-        let queue = &queues[seq as usize % queues.len()];
+        let queue = &queues[*seq as usize % queues.len()];
         let confirm = ch
             .basic_publish(
                 "".into(),
@@ -461,18 +507,15 @@ async fn publish(
                 body.as_bytes(),
                 BasicProperties::default().with_delivery_mode(2),
             )
-            .await
-            .map_err(|e| e.to_string())?
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?
+            .await?;
         // Unroutable messages (the queue is gone) are confirmed too: published, and lost.
         if confirm.is_ack() {
             published.fetch_add(1, Ordering::SeqCst);
+            *seq += 1;
         }
-        seq += 1;
         tokio::time::sleep(every).await;
     }
-    let _ = conn.close(200, "done".into()).await;
     Ok(())
 }
 

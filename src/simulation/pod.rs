@@ -1,6 +1,7 @@
 //! One simulated consumer pod: boots, attaches a real consumer, acknowledges messages, and on
 //! termination cancels its consumer, finishes what it holds, and closes.
 
+use super::Scenario;
 use crate::{
     broker::uri::BrokerUri,
     consumers::tracker::now_ms,
@@ -11,32 +12,84 @@ use futures::stream::SelectAll;
 use lapin::{
     Connection, ConnectionProperties,
     options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions},
-    types::FieldTable,
+    types::{AMQPValue, FieldTable},
 };
 use std::{
     collections::HashMap,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicI64, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
     },
     time::Duration,
 };
 use tokio::sync::oneshot;
 
-/// Every message consumed (and acknowledged), by sequence number.
+/// Every message consumed (and acknowledged), by sequence number, and the consumers' reconnects.
 #[derive(Default)]
-pub struct Tally(Mutex<HashMap<u64, u32>>);
+pub struct Tally {
+    seen: Mutex<HashMap<u64, u32>>,
+    reconnects: AtomicU64,
+}
 
 impl Tally {
     fn record(&self, seq: u64) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()).entry(seq).or_default() += 1;
+        *self.seen.lock().unwrap_or_else(|p| p.into_inner()).entry(seq).or_default() += 1;
     }
 
     /// (distinct messages, deliveries).
     pub fn counts(&self) -> (u64, u64) {
-        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let map = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         (map.len() as u64, map.values().map(|&n| u64::from(n)).sum())
     }
+
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects.load(Ordering::SeqCst)
+    }
+}
+
+/// How the application declares its queue at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declare {
+    /// Auto-delete, as in the source article's naive setup.
+    AutoDelete,
+    /// Plain durable, under queueguard.
+    Durable,
+    /// Durable quorum queue, under queueguard.
+    Quorum,
+}
+
+impl Declare {
+    pub fn of(s: &Scenario) -> Self {
+        match (s.guarded, s.quorum) {
+            (false, _) => Self::AutoDelete,
+            (true, false) => Self::Durable,
+            (true, true) => Self::Quorum,
+        }
+    }
+}
+
+/// Connects to the broker's nodes in turn, starting at `first` (modulo their number), as a
+/// client with an address list does.
+pub async fn connect(uri: &BrokerUri, first: usize, name: &str) -> lapin::Result<Connection> {
+    let nodes = uri.nodes();
+    let mut last = None;
+    for i in 0..nodes.len() {
+        let node = &nodes[(first + i) % nodes.len()];
+        let props = ConnectionProperties::default().with_connection_name(name.into());
+        match Connection::connect_uri(uri.amqp_at(node), props).await {
+            Ok(conn) => return Ok(conn),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("a broker URI names at least one node"))
+}
+
+/// How a consumer's session ended.
+enum Ended {
+    /// Told to stop, and finished what it held.
+    Stopped,
+    /// The deliveries stopped: the connection went away under it.
+    Lost,
 }
 
 #[derive(Default)]
@@ -64,7 +117,7 @@ impl PodHandle {
         revision: u32,
         uri: &BrokerUri,
         queues: &[String],
-        durable: bool,
+        declare: Declare,
         boot: Duration,
         attach: Duration,
         tally: Arc<Tally>,
@@ -73,10 +126,11 @@ impl PodHandle {
         let shared = Arc::new(Shared::default());
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(consume(
+            id,
             name.clone(),
             uri.clone(),
             queues.to_vec(),
-            durable,
+            declare,
             boot,
             attach,
             tally,
@@ -147,10 +201,11 @@ impl PodHandle {
 
 #[allow(clippy::too_many_arguments)]
 async fn consume(
+    id: usize,
     name: String,
     uri: BrokerUri,
     queues: Vec<String>,
-    durable: bool,
+    declare: Declare,
     boot: Duration,
     attach: Duration,
     tally: Arc<Tally>,
@@ -167,37 +222,55 @@ async fn consume(
         _ = tokio::time::sleep(attach) => {}
         _ = &mut stopped => return finish(&shared),
     }
-    if let Err(e) = attach_and_work(&name, &uri, &queues, durable, &tally, &shared, &mut stopped).await {
-        tracing::warn!(pod = %name, error = %e, "simulated consumer failed");
+    // A real worker reconnects, through the next node of a cluster, until it is told to stop.
+    // Pod n starts at node n, which spreads pods over a cluster's nodes.
+    let mut node = id;
+    loop {
+        match attach_and_work(&name, &uri, node, &queues, declare, &tally, &shared, &mut stopped).await {
+            Ok(Ended::Stopped) => break,
+            lost => {
+                let error = lost.err().map(|e| e.to_string()).unwrap_or_else(|| "deliveries ended".into());
+                tracing::info!(pod = %name, %error, "simulated consumer reconnecting");
+                tally.reconnects.fetch_add(1, Ordering::SeqCst);
+                node += 1;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    _ = &mut stopped => break,
+                }
+            }
+        }
     }
     finish(&shared);
 }
 
 /// One connection, one channel, one consumer per queue (tag `<pod>.<i>`), as a worker that
 /// reads several queues would have.
+#[allow(clippy::too_many_arguments)]
 async fn attach_and_work(
     name: &str,
     uri: &BrokerUri,
+    node: usize,
     queues: &[String],
-    durable: bool,
+    declare: Declare,
     tally: &Tally,
     shared: &Shared,
     stopped: &mut oneshot::Receiver<()>,
-) -> lapin::Result<()> {
-    let props = ConnectionProperties::default().with_connection_name(name.into());
-    let conn = Connection::connect_uri(uri.amqp().clone(), props).await?;
+) -> lapin::Result<Ended> {
+    let conn = connect(uri, node, name).await?;
     let ch = conn.create_channel().await?;
-    // The application's own declare, at start-up: plain durable under queueguard, auto-delete in
-    // the naive setup of the source article.
-    let options = if durable {
-        QueueDeclareOptions { durable: true, ..Default::default() }
-    } else {
-        QueueDeclareOptions { auto_delete: true, ..Default::default() }
+    let (options, arguments) = match declare {
+        Declare::AutoDelete => (QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()),
+        Declare::Durable => (QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()),
+        Declare::Quorum => {
+            let mut arguments = FieldTable::default();
+            arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+            (QueueDeclareOptions { durable: true, ..Default::default() }, arguments)
+        }
     };
     ch.basic_qos(10, BasicQosOptions::default()).await?;
     let mut deliveries = SelectAll::new();
     for (i, queue) in queues.iter().enumerate() {
-        ch.queue_declare(queue.as_str().into(), options, FieldTable::default()).await?;
+        ch.queue_declare(queue.as_str().into(), options, arguments.clone()).await?;
         let tag = format!("{name}.{i}");
         deliveries.push(
             ch.basic_consume(queue.as_str().into(), tag.into(), BasicConsumeOptions::default(), FieldTable::default())
@@ -214,7 +287,8 @@ async fn attach_and_work(
                     }
                     d.ack(BasicAckOptions::default()).await?;
                 }
-                _ => break,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(Ended::Lost),
             },
             _ = &mut *stopped => break,
         }
@@ -231,5 +305,5 @@ async fn attach_and_work(
     }
     let _ = ch.close(200, "bye".into()).await;
     let _ = conn.close(200, "bye".into()).await;
-    Ok(())
+    Ok(Ended::Stopped)
 }

@@ -6,6 +6,8 @@ use std::time::Duration;
 pub struct Report {
     pub scenario: String,
     pub restarts: u32,
+    /// Times a consumer lost its connection and attached again (a broker node restarting).
+    pub reconnects: u64,
     /// Messages the broker confirmed.
     pub published: u64,
     /// Distinct messages consumed and acknowledged.
@@ -78,6 +80,7 @@ mod tests {
         let r = Report {
             scenario: "guarded".into(),
             restarts: 10,
+            reconnects: 0,
             published: 2000,
             consumed: 2000,
             lost: 0,
