@@ -581,6 +581,20 @@ mod tests {
         assert!(tags(&r).is_empty() && r.resync_wanted().is_empty());
     }
 
+    /// In a cluster, a consumer's events come from its queue's node and its channel's from the
+    /// channel's node: they can arrive in any order.
+    #[test]
+    fn a_consumer_created_event_arriving_after_its_channel_closed_attaches_nothing() {
+        let mut r = with_channel();
+        assert!(r.apply(BrokerEvent::ChannelClosed { pid: "<c1>".into() }, 5).is_empty());
+        assert!(r.apply(created("late", 1), 6).is_empty(), "no attach for a closed channel");
+        assert!(r.apply(deleted_on("<c1>", "late"), 7).is_empty());
+        assert!(tags(&r).is_empty());
+        // A snapshot that no longer lists it settles the rest.
+        assert!(r.resync(snapshot(vec![]), 2_000).is_empty());
+        assert!(tags(&r).is_empty() && r.resync_wanted().is_empty());
+    }
+
     #[test]
     fn a_deleted_queue_detaches_everything_on_it_and_says_so() {
         let mut r = with_channel();
