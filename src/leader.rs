@@ -14,6 +14,7 @@ use kube::{
     api::{ObjectMeta, PostParams},
 };
 use std::time::Duration;
+use tokio::time::Instant;
 
 #[derive(Debug, Clone)]
 pub struct LeaseConfig {
@@ -98,6 +99,14 @@ pub fn next_spec(current: Option<&LeaseSpec>, step: &Step, cfg: &LeaseConfig, no
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    #[error(transparent)]
+    Api(kube::Error),
+    #[error("the API server did not answer within {0:?}")]
+    Unanswered(Duration),
+}
+
 pub struct LeaderElector {
     api: Api<Lease>,
     cfg: LeaseConfig,
@@ -143,33 +152,42 @@ impl LeaderElector {
         }
     }
 
-    /// Waits until this replica leads.
-    pub async fn acquire(&self) {
+    /// Waits until this replica leads. Returns when the winning attempt started: the Lease's
+    /// renew time is no earlier, so holding may count from there.
+    pub async fn acquire(&self) -> Instant {
         loop {
-            match self.try_once().await {
-                Ok(true) => return,
-                Ok(false) => {}
-                Err(e) => tracing::warn!(lease = %self.cfg.name, error = %e, "leader election"),
+            let started = Instant::now();
+            // A hung API call must not keep a candidate from retrying.
+            match tokio::time::timeout(self.cfg.renew_deadline, self.try_once()).await {
+                Ok(Ok(true)) => return started,
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => tracing::warn!(lease = %self.cfg.name, error = %e, "leader election"),
+                Err(_) => tracing::warn!(lease = %self.cfg.name, "leader election: the API server did not answer"),
             }
             tokio::time::sleep(self.cfg.retry_period).await;
         }
     }
 
-    /// Renews the Lease until a renewal has not succeeded for `renew_deadline`, or someone else
-    /// holds it; then returns, and the caller must stop acting as leader.
-    pub async fn hold(&self) {
-        let mut last_renewal = tokio::time::Instant::now();
+    /// Renews the Lease (held since `renewed`, as [`Self::acquire`] returns) until a renewal has
+    /// not succeeded for `renew_deadline`, or someone else holds it; then returns, and the caller
+    /// must stop acting as leader. Each renewal is cut off at that deadline: kube's client has no
+    /// read timeout, and a request to an API server that stopped answering would otherwise keep
+    /// this replica acting after its Lease expired and another took it.
+    pub async fn hold(&self, mut renewed: Instant) {
         loop {
             tokio::time::sleep(self.cfg.retry_period).await;
-            match self.try_once().await {
-                Ok(true) => last_renewal = tokio::time::Instant::now(),
-                Ok(false) => {
+            let deadline = renewed + self.cfg.renew_deadline;
+            let started = Instant::now();
+            match tokio::time::timeout_at(deadline, self.try_once()).await {
+                Ok(Ok(true)) => renewed = started,
+                Ok(Ok(false)) => {
                     tracing::error!(lease = %self.cfg.name, "another replica holds the lease");
                     return;
                 }
-                Err(e) => tracing::warn!(lease = %self.cfg.name, error = %e, "could not renew the lease"),
+                Ok(Err(e)) => tracing::warn!(lease = %self.cfg.name, error = %e, "could not renew the lease"),
+                Err(_) => {}
             }
-            if last_renewal.elapsed() >= self.cfg.renew_deadline {
+            if Instant::now() >= renewed + self.cfg.renew_deadline {
                 tracing::error!(lease = %self.cfg.name, "lease not renewed within the renew deadline");
                 return;
             }
@@ -177,7 +195,15 @@ impl LeaderElector {
     }
 
     /// Gives the Lease up if this replica still holds it, so a standby need not wait it out.
-    pub async fn release(&self) -> Result<(), kube::Error> {
+    /// Bounded by the renew deadline: shutting down must not wait on a hung API server.
+    pub async fn release(&self) -> Result<(), ReleaseError> {
+        tokio::time::timeout(self.cfg.renew_deadline, self.release_now())
+            .await
+            .map_err(|_| ReleaseError::Unanswered(self.cfg.renew_deadline))?
+            .map_err(ReleaseError::Api)
+    }
+
+    async fn release_now(&self) -> Result<(), kube::Error> {
         let Some(mut lease) = self.api.get_opt(&self.cfg.name).await? else { return Ok(()) };
         let Some(spec) = lease.spec.as_mut() else { return Ok(()) };
         if spec.holder_identity.as_deref() != Some(self.cfg.identity.as_str()) {

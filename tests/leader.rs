@@ -20,6 +20,16 @@ fn elector() -> (LeaderElector, ApiServer) {
     (LeaderElector::new(client, cfg), api)
 }
 
+/// A Lease of 1.5 s, renewed every 0.1 s, given up after 1 s without renewal.
+fn short_elector() -> (LeaderElector, ApiServer) {
+    let (client, api) = mock_client();
+    let mut cfg = LeaseConfig::new("queueguard".into(), "ops".into(), "pod-a".into());
+    cfg.duration = Duration::from_millis(1_500);
+    cfg.renew_deadline = Duration::from_secs(1);
+    cfg.retry_period = Duration::from_millis(100);
+    (LeaderElector::new(client, cfg), api)
+}
+
 fn lease(holder: &str, renewed_secs_ago: i64, version: &str) -> Value {
     let renewed = Timestamp::now() - SignedDuration::from_secs(renewed_secs_ago);
     json!({
@@ -91,7 +101,7 @@ async fn an_expired_lease_is_taken_over_with_the_version_read_and_a_lost_race_is
 #[tokio::test]
 async fn the_leader_steps_down_when_another_replica_holds_the_lease() {
     let (elector, mut api) = elector();
-    let hold = tokio::spawn(async move { elector.hold().await });
+    let hold = tokio::spawn(async move { elector.hold(tokio::time::Instant::now()).await });
     api.expect("GET", LEASE).await.respond(StatusCode::OK, &lease("pod-a", 1, "50"));
     let renew = api.expect("PUT", LEASE).await;
     assert_eq!(renew.body["spec"]["holderIdentity"], "pod-a");
@@ -121,4 +131,37 @@ async fn release_on_shutdown_hands_the_lease_over_at_once() {
     release.await.unwrap();
     let extra = tokio::time::timeout(Duration::from_millis(200), api.0.next_request()).await;
     assert!(!matches!(extra, Ok(Some(_))), "a lease held by someone else is not touched");
+}
+
+#[tokio::test]
+async fn a_leader_whose_api_server_stops_answering_steps_down_by_the_renew_deadline() {
+    let (elector, mut api) = short_elector();
+    let since = tokio::time::Instant::now();
+    let hold = tokio::spawn(async move { elector.hold(since).await });
+    // One renewal answered, then the API server takes the next request and never answers.
+    api.expect("GET", LEASE).await.respond(StatusCode::OK, &lease("pod-a", 0, "70"));
+    let renew = api.expect("PUT", LEASE).await;
+    let body = renew.body.clone();
+    let renewed = std::time::Instant::now();
+    renew.respond(StatusCode::OK, &body);
+    let _hung = api.expect("GET", LEASE).await;
+    tokio::time::timeout(Duration::from_secs(3), hold).await.expect("hold returns though the request hangs").unwrap();
+    let stepped_down = renewed.elapsed();
+    eprintln!("stepped down {stepped_down:?} after the last renewal (renew deadline 1 s, Lease 1.5 s)");
+    assert!(stepped_down < Duration::from_millis(1_500), "before the Lease expired: {stepped_down:?}");
+    assert!(stepped_down >= Duration::from_millis(900), "not before the renew deadline: {stepped_down:?}");
+}
+
+#[tokio::test]
+async fn a_candidate_whose_api_server_hangs_retries() {
+    let (elector, mut api) = short_elector();
+    let acquire = tokio::spawn(async move { elector.acquire().await });
+    let _hung = api.expect("GET", LEASE).await;
+    // Cut off at the renew deadline, the candidate asks again.
+    let again = tokio::time::timeout(Duration::from_secs(3), api.expect("GET", LEASE)).await.expect("a retry");
+    again.respond(StatusCode::NOT_FOUND, &not_found());
+    let create = api.expect("POST", LEASES).await;
+    let body = create.body.clone();
+    create.respond(StatusCode::CREATED, &body);
+    tokio::time::timeout(Duration::from_secs(1), acquire).await.expect("leads").unwrap();
 }

@@ -209,10 +209,9 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         Some(cfg) => {
             let elector = LeaderElector::new(client.clone(), cfg);
             tokio::select! {
-                () = elector.acquire() => {}
+                since = elector.acquire() => Some((elector, since)),
                 () = shutdown_signal() => return Ok(()),
             }
-            Some(elector)
         }
         None => None,
     };
@@ -220,16 +219,16 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
     ctx.metrics.leading(true);
     let controller = run_controller(&args, ctx, health);
     let outcome = match &elector {
-        Some(e) => tokio::select! {
+        Some((e, since)) => tokio::select! {
             () = controller => Ok(()),
-            () = e.hold() => Err(Error::LeadershipLost),
+            () = e.hold(*since) => Err(Error::LeadershipLost),
         },
         None => {
             controller.await;
             Ok(())
         }
     };
-    if let Some(e) = &elector
+    if let Some((e, _)) = &elector
         && outcome.is_ok()
         && let Err(err) = e.release().await
     {
