@@ -235,7 +235,7 @@ impl RunArgs {
                 ));
             }
         };
-        Ok(Some(Webhook { addr, certs }))
+        Ok(Some(Webhook { addr, certs, timeouts: Default::default() }))
     }
 
     fn own_namespace(&self, flag: &str) -> Result<String, Error> {

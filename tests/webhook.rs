@@ -7,12 +7,13 @@ mod common;
 use base64::Engine;
 use common::api::*;
 use http::StatusCode;
+use k8s_openapi::jiff::Timestamp;
 use kube::runtime::{reflector, watcher};
 use queueguard::{
     crd::QueuePolicy,
     webhook::{
-        certs::SelfSigned,
-        server::{CertSource, Webhook},
+        certs::{self, SelfSigned},
+        server::{CertSource, Timeouts, Webhook},
     },
 };
 use serde_json::{Value, json};
@@ -55,7 +56,7 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
         service: "qg-webhook".into(),
         webhook_config: "qg".into(),
     });
-    tokio::spawn(Webhook { addr, certs }.serve(client, store));
+    tokio::spawn(Webhook { addr, certs, timeouts: Default::default() }.serve(client, store));
 
     // No Secret yet: the operator issues a CA and a serving certificate and stores them.
     api.expect("GET", SECRET).await.respond(
@@ -141,4 +142,93 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
         .unwrap();
     assert_eq!(review["response"]["allowed"], true);
     assert!(review["response"].get("patch").is_none(), "{review}");
+}
+
+/// A webhook on a certificate from a directory (as cert-manager mounts it), with short limits.
+async fn webhook_with_timeouts(timeouts: Timeouts) -> (SocketAddr, String) {
+    queueguard::tls::install_crypto_provider();
+    let tls = certs::issue(None, &certs::dns_names("qg-webhook", "ops"), Timestamp::now()).unwrap();
+    let dir = std::env::temp_dir().join(format!("qg-webhook-{}-{}", std::process::id(), addr_nanos()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tls.crt"), &tls.cert_pem).unwrap();
+    std::fs::write(dir.join("tls.key"), &tls.key_pem).unwrap();
+    let (client, _api) = mock_client();
+    let (store, _writer) = reflector::store::<QueuePolicy>();
+    let addr = free_addr();
+    tokio::spawn(Webhook { addr, certs: CertSource::Dir(dir), timeouts }.serve(client, store));
+    for _ in 0..50 {
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (addr, tls.ca_pem)
+}
+
+fn addr_nanos() -> u32 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos()
+}
+
+async fn tls_to(addr: SocketAddr, ca_pem: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
+    let config = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    connector.connect(ServerName::try_from("qg-webhook.ops.svc").unwrap(), tcp).await.unwrap()
+}
+
+/// Reads until the server closes; returns what it sent and how long that took.
+async fn until_closed(mut stream: impl tokio::io::AsyncRead + Unpin) -> (String, Duration) {
+    use tokio::io::AsyncReadExt;
+    let started = std::time::Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the webhook still holds the connection after 5 s");
+    (String::from_utf8_lossy(&answer).into_owned(), started.elapsed())
+}
+
+const SHORT: Timeouts = Timeouts { handshake: Duration::from_millis(300), request: Duration::from_millis(500) };
+
+#[tokio::test]
+async fn a_client_that_never_starts_tls_is_let_go_after_the_handshake_timeout() {
+    let (addr, _) = webhook_with_timeouts(SHORT).await;
+    let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (_, after) = until_closed(silent).await;
+    eprintln!("silent client closed after {after:?} (handshake timeout 300 ms)");
+    assert!(after >= Duration::from_millis(250) && after < Duration::from_secs(2), "{after:?}");
+}
+
+#[tokio::test]
+async fn a_request_that_stalls_is_answered_408_or_closed_after_the_request_timeout() {
+    use tokio::io::AsyncWriteExt;
+    let (addr, ca) = webhook_with_timeouts(SHORT).await;
+    // Headers, then half the body it announced, then nothing.
+    let mut stalled_body = tls_to(addr, &ca).await;
+    stalled_body
+        .write_all(b"POST /mutate-pods HTTP/1.1\r\nhost: qg-webhook.ops.svc\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"kind\":")
+        .await
+        .unwrap();
+    let (answer, after) = until_closed(stalled_body).await;
+    eprintln!("stalled body answered after {after:?}: {:?}", answer.lines().next());
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(after >= Duration::from_millis(450) && after < Duration::from_secs(2), "{after:?}");
+
+    // Half the headers, then nothing.
+    let mut stalled_headers = tls_to(addr, &ca).await;
+    stalled_headers.write_all(b"POST /mutate-pods HTTP/1.1\r\nhost: qg").await.unwrap();
+    let (_, after) = until_closed(stalled_headers).await;
+    eprintln!("stalled headers closed after {after:?}");
+    assert!(after >= Duration::from_millis(450) && after < Duration::from_secs(2), "{after:?}");
+
+    // And the webhook still answers a well-behaved client.
+    let https = reqwest::Client::builder()
+        .tls_certs_only([reqwest::Certificate::from_pem(ca.as_bytes()).unwrap()])
+        .resolve("qg-webhook.ops.svc", addr)
+        .build()
+        .unwrap();
+    let url = format!("https://qg-webhook.ops.svc:{}/mutate-pods", addr.port());
+    let answer = https.post(&url).header("content-type", "application/json").body(REVIEW).send().await.unwrap();
+    assert_eq!(answer.status(), 200);
 }

@@ -8,8 +8,12 @@ use super::{
     enforcing, mutate, needs_deployment_labels, review_json,
 };
 use crate::{crd::QueuePolicy, gate::guards::deployment_of};
+use axum::response::IntoResponse;
 use axum::{Json, Router, extract::State, routing::post};
-use hyper_util::{rt::TokioIo, service::TowerToHyperService};
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    service::TowerToHyperService,
+};
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};
 use kube::{
     Api, Client, ResourceExt,
@@ -28,6 +32,7 @@ use std::{
     sync::{Arc, RwLock},
     time::Duration,
 };
+use tower::ServiceExt;
 
 /// Where the serving certificate comes from.
 pub enum CertSource {
@@ -127,19 +132,43 @@ async fn guarding_policies(state: &Admission, request: &AdmissionRequest<Pod>) -
 pub struct Webhook {
     pub addr: SocketAddr,
     pub certs: CertSource,
+    pub timeouts: Timeouts,
 }
+
+/// How long one client may take. The API server gives up on a webhook call after its
+/// `timeoutSeconds` (10 s at most in the chart), so nothing it sends legitimately takes longer;
+/// a client that stalls must not hold a connection and a task for ever.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// From accepting the TCP connection to the end of the TLS handshake.
+    pub handshake: Duration,
+    /// From the first byte of a request to its answer (headers, body and the decision).
+    pub request: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self { handshake: Duration::from_secs(10), request: Duration::from_secs(10) }
+    }
+}
+
+/// After a failed accept (out of file descriptors, say), wait this long before the next, doubling
+/// up to [`ACCEPT_BACKOFF_MAX`]: retrying at once would spin a core.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 impl Webhook {
     /// Serves until the process ends. Fails only when the first certificate cannot be had or
     /// the address cannot be bound.
     pub async fn serve(self, client: Client, policies: Store<QueuePolicy>) -> Result<(), String> {
-        serve(self.addr, self.certs, client, policies).await
+        serve(self.addr, self.certs, self.timeouts, client, policies).await
     }
 }
 
 async fn serve(
     addr: SocketAddr,
     source: CertSource,
+    timeouts: Timeouts,
     client: Client,
     policies: Store<QueuePolicy>,
 ) -> Result<(), String> {
@@ -167,17 +196,58 @@ async fn serve(
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("{addr}: {e}"))?;
     tracing::info!(%addr, "serving the admission webhook");
     let app = router(client, policies);
+    let mut backoff = ACCEPT_BACKOFF;
     loop {
-        let Ok((tcp, _)) = listener.accept().await else { continue };
+        let tcp = match listener.accept().await {
+            Ok((tcp, _)) => {
+                backoff = ACCEPT_BACKOFF;
+                tcp
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "webhook could not accept a connection");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                continue;
+            }
+        };
         let (acceptor, app) = (acceptor.clone(), app.clone());
         tokio::spawn(async move {
-            let Ok(tls) = acceptor.accept(tcp).await else { return };
-            let service = TowerToHyperService::new(app);
-            if let Err(e) =
-                hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(tls), service).await
-            {
+            let tls = match tokio::time::timeout(timeouts.handshake, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => return tracing::debug!(error = %e, "webhook TLS handshake failed"),
+                Err(_) => return tracing::debug!("webhook TLS handshake timed out"),
+            };
+            let service = TowerToHyperService::new(within(timeouts.request, app));
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new()).header_read_timeout(timeouts.request);
+            if let Err(e) = http.serve_connection(TokioIo::new(tls), service).await {
                 tracing::debug!(error = %e, "webhook connection ended");
             }
         });
     }
+}
+
+/// `app`, answering 408 to a request whose body and answer take longer than `limit` (hyper's
+/// header read timeout covers the headers).
+fn within(
+    limit: Duration,
+    app: Router,
+) -> impl tower::Service<
+    axum::http::Request<hyper::body::Incoming>,
+    Response = axum::response::Response,
+    Error = std::convert::Infallible,
+    Future = impl Send,
+> + Clone {
+    tower::service_fn(move |request: axum::http::Request<hyper::body::Incoming>| {
+        let app = app.clone();
+        async move {
+            match tokio::time::timeout(limit, app.oneshot(request)).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    tracing::warn!(?limit, "webhook request timed out");
+                    Ok((axum::http::StatusCode::REQUEST_TIMEOUT, "request timed out").into_response())
+                }
+            }
+        }
+    })
 }
