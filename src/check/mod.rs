@@ -100,6 +100,9 @@ pub struct Manifests {
     pub webhooks: Vec<WebhookDoc>,
     /// Namespaces among the objects, with their labels (what a webhook's namespaceSelector reads).
     pub namespaces: std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>,
+    /// The broker nodes each Secret among the objects names in its `addresses` key, by
+    /// (namespace, name). Nothing else of a Secret is read.
+    pub broker_nodes: std::collections::BTreeMap<(Option<String>, String), Vec<String>>,
     /// Kubernetes objects seen, of any kind (List items counted one by one).
     pub objects: usize,
 }

@@ -103,6 +103,7 @@ enum Shape {
     Deployment,
     Webhook,
     Namespace,
+    Secret,
     List(Vec<Shape>),
     /// Not a Kubernetes object; the message says why.
     NotAnObject(&'static str),
@@ -141,6 +142,7 @@ fn shape_of(value: &Value) -> Shape {
         "Deployment" if api_version == "apps/v1" => Shape::Deployment,
         "MutatingWebhookConfiguration" if api_version.starts_with("admissionregistration.k8s.io/") => Shape::Webhook,
         "Namespace" if api_version == "v1" => Shape::Namespace,
+        "Secret" if api_version == "v1" => Shape::Secret,
         k if k == "List" || k.ends_with("List") => match value.get("items") {
             Some(Value::Sequence(items)) => Shape::List(items.iter().map(shape_of).collect()),
             Some(Value::Null) | None => Shape::List(vec![]),
@@ -158,6 +160,7 @@ enum Object {
     Deployment(Box<Deployment>),
     Webhook(Vec<WebhookDoc>),
     Namespace { name: String, labels: BTreeMap<String, String> },
+    BrokerNodes { namespace: Option<String>, name: String, nodes: Vec<String> },
     Other,
 }
 
@@ -209,6 +212,9 @@ pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadErro
             Object::Webhook(hooks) => into.webhooks.extend(hooks),
             Object::Namespace { name, labels } => {
                 into.namespaces.insert(name, labels);
+            }
+            Object::BrokerNodes { namespace, name, nodes } => {
+                into.broker_nodes.insert((namespace, name), nodes);
             }
             Object::Other => {}
         }
@@ -279,6 +285,19 @@ impl<'de> DeserializeSeed<'de> for Seed<'_> {
                     labels: ns.metadata.labels.unwrap_or_default(),
                 }
             }
+            Shape::Secret => {
+                let secret = NodesOfSecret::deserialize(d)?;
+                let nodes = secret.nodes();
+                if nodes.is_empty() {
+                    Object::Other
+                } else {
+                    Object::BrokerNodes {
+                        namespace: secret.metadata.namespace,
+                        name: secret.metadata.name.unwrap_or_default(),
+                        nodes,
+                    }
+                }
+            }
             Shape::List(items) => return d.deserialize_map(ListVisitor { items, out: self.out }),
         };
         self.out.push(object);
@@ -293,6 +312,42 @@ fn with_unknown_fields<'de, T: Deserialize<'de>, D: Deserializer<'de>>(d: D) -> 
     // Type metadata is no field of the struct, and status belongs to the operator.
     unknown_fields.retain(|p| p != "apiVersion" && p != "kind" && !p.starts_with("status"));
     Ok((object, unknown_fields))
+}
+
+/// Only the node list of a Secret (its `addresses` key, [`crate::secret::ADDRESSES_KEY`]):
+/// nothing else of a Secret is read, so no credential is ever held.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NodesOfSecret {
+    #[serde(default)]
+    metadata: ObjectMeta,
+    #[serde(default)]
+    string_data: Option<AddressesKey>,
+    #[serde(default)]
+    data: Option<AddressesKey>,
+}
+
+#[derive(Deserialize)]
+struct AddressesKey {
+    #[serde(default)]
+    addresses: Option<String>,
+}
+
+impl NodesOfSecret {
+    /// `host:port` of each node named, from stringData or (base64) data.
+    fn nodes(&self) -> Vec<String> {
+        use base64::Engine;
+        let plain = self.string_data.as_ref().and_then(|d| d.addresses.clone());
+        let decoded = || {
+            let text = self.data.as_ref()?.addresses.as_ref()?;
+            let bytes = base64::engine::general_purpose::STANDARD.decode(text.trim()).ok()?;
+            String::from_utf8(bytes).ok()
+        };
+        plain
+            .or_else(decoded)
+            .map(|list| list.split(',').map(str::trim).filter(|a| !a.is_empty()).map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
 }
 
 /// Only what the rules need of a MutatingWebhookConfiguration: its webhooks' names and

@@ -5,7 +5,7 @@
 
 use super::{DeploymentDoc, Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity};
 use crate::{
-    crd::{API_VERSION, GateMode, QueuePolicy},
+    crd::{API_VERSION, GateMode, QueuePolicy, QueueType},
     duration::Human,
     gate::{
         GATE_CONDITION, GatePlan, guards,
@@ -44,10 +44,11 @@ pub enum Rule {
     DisruptionBudgetBlocksDrains,
     DuplicateQueue,
     UnanchoredPattern,
+    ClassicQueueOnCluster,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 12] = [
+    pub const ALL: [Rule; 13] = [
         Rule::InvalidPolicy,
         Rule::UnsafeRolloutStrategy,
         Rule::MissingReadinessGate,
@@ -60,6 +61,7 @@ impl Rule {
         Rule::DisruptionBudgetBlocksDrains,
         Rule::DuplicateQueue,
         Rule::UnanchoredPattern,
+        Rule::ClassicQueueOnCluster,
     ];
 
     pub fn id(self) -> &'static str {
@@ -76,6 +78,7 @@ impl Rule {
             Self::DisruptionBudgetBlocksDrains => "QG010",
             Self::DuplicateQueue => "QG011",
             Self::UnanchoredPattern => "QG012",
+            Self::ClassicQueueOnCluster => "QG013",
         }
     }
 
@@ -93,6 +96,7 @@ impl Rule {
             Self::DisruptionBudgetBlocksDrains => "disruption-budget-blocks-drains",
             Self::DuplicateQueue => "duplicate-queue",
             Self::UnanchoredPattern => "unanchored-pattern",
+            Self::ClassicQueueOnCluster => "classic-queue-on-cluster",
         }
     }
 
@@ -133,6 +137,9 @@ impl Rule {
             Self::UnanchoredPattern => {
                 "a QueuePattern whose pattern does not start with ^: it matches anywhere in a queue name and may catch unrelated queues"
             }
+            Self::ClassicQueueOnCluster => {
+                "a classic queue on a broker whose Secret names several nodes: the queue lives on one node and is gone while that node is down"
+            }
         }
     }
 
@@ -150,6 +157,7 @@ impl Rule {
             Self::DisruptionBudgetBlocksDrains => disruption_budget_blocks_drains(f),
             Self::DuplicateQueue => duplicate_queue(f),
             Self::UnanchoredPattern => unanchored_pattern(f),
+            Self::ClassicQueueOnCluster => classic_queue_on_cluster(f),
         }
     }
 }
@@ -928,6 +936,28 @@ fn unanchored_pattern(f: &Facts) -> Vec<Finding> {
     out
 }
 
+/// QG013: a classic queue on a cluster.
+fn classic_queue_on_cluster(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in f.planned.iter().filter(|p| p.plan.queue_type == QueueType::Classic) {
+        let secret = (p.doc.id.namespace.clone(), p.plan.secret_name.clone());
+        let Some(nodes) = f.manifests.broker_nodes.get(&secret).filter(|n| n.len() > 1) else { continue };
+        out.push(finding(
+            Rule::ClassicQueueOnCluster,
+            Severity::Warning,
+            &p.doc.id,
+            format!(
+                "queue '{}' is a classic queue, and Secret '{}' names {} broker nodes ({}): a classic queue lives on one node, and while that node is down the queue is gone (404) with its messages, publishes to it are dropped, and its consumers on other nodes are cancelled. Set queue.type: quorum for messages that must survive a node (a queue cannot change type in place: a new queue name, or delete and declare again, empty). A cluster also needs the rabbitmq_event_exchange plugin on every node, or the operator polls for that node's consumers.",
+                p.plan.queue,
+                p.plan.secret_name,
+                nodes.len(),
+                nodes.join(", ")
+            ),
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1408,5 +1438,29 @@ mod tests {
                 ("QG010", "QueuePolicy shop/orders".into())
             ]
         );
+    }
+
+    #[test]
+    fn a_classic_queue_on_a_secret_naming_several_nodes_is_warned_about_and_a_quorum_queue_is_not() {
+        let secret = |data: &str| {
+            format!("apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbitmq, namespace: shop}}\n{data}\n---\n")
+        };
+        let three = secret("stringData: {uri: 'amqp://u:hunter2@rabbitmq/', addresses: 'rmq-0:5672, rmq-1:5672,rmq-2:5672'}");
+        let classic = policy("orders", "{name: orders}", "");
+        let f = only(&(three.clone() + &classic), Rule::ClassicQueueOnCluster);
+        assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
+        assert!(f.message.contains("names 3 broker nodes (rmq-0:5672, rmq-1:5672, rmq-2:5672)"), "{}", f.message);
+        assert!(f.message.contains("queue.type: quorum") && f.message.contains("rabbitmq_event_exchange"));
+        assert!(!f.message.contains("hunter2"), "nothing of the URI is read");
+        // The same from base64 data.
+        let encoded = secret("data: {addresses: cm1xLTA6NTY3MixybXEtMTo1Njcy}");
+        assert_eq!(found(&(encoded + &classic)), vec![("QG013", "QueuePolicy shop/orders".into())]);
+
+        let quorum = policy("orders", "{name: orders, type: quorum}", "");
+        assert!(found(&(three.clone() + &quorum)).is_empty());
+        let one = secret("stringData: {uri: 'amqp://u:p@rabbitmq/', addresses: 'rmq-lb:5672'}");
+        assert!(found(&(one + &classic)).is_empty(), "one address: a single node or a load balancer");
+        let elsewhere = three.replace("namespace: shop", "namespace: other");
+        assert!(found(&(elsewhere + &classic)).is_empty(), "another namespace's Secret");
     }
 }
