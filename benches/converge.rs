@@ -222,9 +222,14 @@ async fn main() {
     let cold_methods = methods.load(Ordering::Relaxed);
     let cold_mgmt = ctx.brokers.management_requests();
     let connections = ctx.brokers.connections_opened();
+    // The declarations and the event subscription each have a connection of their own: a
+    // connection-level close caused by one policy's operation must not silence the events.
+    let open = |purpose: &str| ctx.brokers.connection_states().iter().filter(|(_, p, up)| *p == purpose && *up).count();
     println!(
-        "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s)",
-        operator.as_secs_f64()
+        "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s) opened, open now: {} for declarations, {} for events",
+        operator.as_secs_f64(),
+        open("declarations"),
+        open("events")
     );
 
     // Steady state: the same policies with the status the first pass wrote, as the operator's

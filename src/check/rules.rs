@@ -1445,7 +1445,8 @@ mod tests {
         let secret = |data: &str| {
             format!("apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbitmq, namespace: shop}}\n{data}\n---\n")
         };
-        let three = secret("stringData: {uri: 'amqp://u:hunter2@rabbitmq/', addresses: 'rmq-0:5672, rmq-1:5672,rmq-2:5672'}");
+        let three =
+            secret("stringData: {uri: 'amqp://u:hunter2@rabbitmq/', addresses: 'rmq-0:5672, rmq-1:5672,rmq-2:5672'}");
         let classic = policy("orders", "{name: orders}", "");
         let f = only(&(three.clone() + &classic), Rule::ClassicQueueOnCluster);
         assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
