@@ -105,6 +105,26 @@ pub enum CrdKind {
 
 #[derive(clap::Args, Debug)]
 pub struct DemoArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Rolling restarts per scenario.
+    #[arg(long, default_value_t = 10)]
+    pub restarts: u32,
+    /// Consumer replicas.
+    #[arg(long, default_value_t = 2)]
+    pub replicas: usize,
+    /// Queues each consumer reads, each guarded by a QueuePolicy of its own (a worker with a
+    /// command and an event queue, say): a pod is Ready only once it reads every one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub queues: u8,
+    /// Guarded queues are quorum queues (for a cluster, with --addresses).
+    #[arg(long)]
+    pub quorum: bool,
+}
+
+/// Where the broker is, for the commands that talk to one directly.
+#[derive(clap::Args, Debug)]
+pub struct BrokerArgs {
     /// Broker URI (amqp[s]://user:pass@host:port/vhost).
     #[arg(
         long,
@@ -116,16 +136,20 @@ pub struct DemoArgs {
     /// Management API URI (default: the broker's host on port 15672, same credentials).
     #[arg(long, env = "QUEUEGUARD_MANAGEMENT_URI", hide_env_values = true)]
     pub management: Option<String>,
-    /// Rolling restarts per scenario.
-    #[arg(long, default_value_t = 10)]
-    pub restarts: u32,
-    /// Consumer replicas.
-    #[arg(long, default_value_t = 2)]
-    pub replicas: usize,
-    /// Queues each consumer reads, each guarded by a QueuePolicy of its own (a worker with a
-    /// command and an event queue, say): a pod is Ready only once it reads every one.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
-    pub queues: u8,
+    /// A cluster's nodes, host:port,host:port,... in the order to try (the URI then gives only
+    /// scheme, credentials and vhost); as a Secret's `addresses` key.
+    #[arg(long, env = "QUEUEGUARD_BROKER_ADDRESSES")]
+    pub addresses: Option<String>,
+}
+
+impl BrokerArgs {
+    fn uri(&self) -> Result<crate::broker::uri::BrokerUri, crate::broker::uri::UriError> {
+        crate::broker::uri::BrokerUri::parse_cluster(
+            &self.broker,
+            self.management.as_deref(),
+            self.addresses.as_deref(),
+        )
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -141,17 +165,8 @@ pub struct ConsumersArgs {
     /// Virtual host (default: the broker URI's).
     #[arg(long)]
     pub vhost: Option<String>,
-    /// Broker URI (amqp[s]://user:pass@host:port/vhost).
-    #[arg(
-        long,
-        env = "QUEUEGUARD_BROKER_URI",
-        hide_env_values = true,
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2F"
-    )]
-    pub broker: String,
-    /// Management API URI (default: the broker's host on port 15672, same credentials).
-    #[arg(long, env = "QUEUEGUARD_MANAGEMENT_URI", hide_env_values = true)]
-    pub management: Option<String>,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
     pub output: Output,
@@ -256,6 +271,9 @@ pub struct ApplyArgs {
     /// Management API URI (default: the broker's host on port 15672, same credentials).
     #[arg(long, env = "QUEUEGUARD_MANAGEMENT_URI", hide_env_values = true)]
     pub management: Option<String>,
+    /// With --broker: a cluster's nodes, host:port,host:port,... in the order to try.
+    #[arg(long, env = "QUEUEGUARD_BROKER_ADDRESSES", requires = "broker")]
+    pub addresses: Option<String>,
 }
 
 pub fn main() -> ExitCode {
@@ -306,7 +324,7 @@ async fn apply(args: ApplyArgs) -> ExitCode {
         uri,
         management_uri: args.management,
         ca_cert: None,
-        addresses: None,
+        addresses: args.addresses,
     });
     let pool = BrokerPool::new("queueguard-apply");
     let results = local::apply(&manifest, broker.as_ref(), &pool, Limits::default()).await;
@@ -318,7 +336,7 @@ async fn apply(args: ApplyArgs) -> ExitCode {
 
 async fn consumers(args: ConsumersArgs) -> ExitCode {
     use crate::consumers::{QueueKey, Tracking, output, tracker::now_ms};
-    let uri = match crate::broker::uri::BrokerUri::parse(&args.broker, args.management.as_deref()) {
+    let uri = match args.broker.uri() {
         Ok(uri) => uri,
         Err(e) => {
             eprintln!("error: --broker {e}");
@@ -376,7 +394,7 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
 
 async fn demo(args: DemoArgs) -> ExitCode {
     use crate::simulation::{self, Scenario};
-    let uri = match crate::broker::uri::BrokerUri::parse(&args.broker, args.management.as_deref()) {
+    let uri = match args.broker.uri() {
         Ok(uri) => uri,
         Err(e) => {
             eprintln!("error: --broker {e}");
@@ -385,8 +403,11 @@ async fn demo(args: DemoArgs) -> ExitCode {
     };
     let mut reports = Vec::new();
     for guarded in [true, false] {
-        let scenario =
-            Scenario { queues: usize::from(args.queues), ..Scenario::new(guarded, args.replicas, args.restarts) };
+        let scenario = Scenario {
+            queues: usize::from(args.queues),
+            quorum: args.quorum,
+            ..Scenario::new(guarded, args.replicas, args.restarts)
+        };
         eprintln!(
             "running: {} ({} replicas, {} queues, {} rolling restarts)",
             scenario.label(),
