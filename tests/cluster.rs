@@ -8,7 +8,8 @@
 
 mod common;
 
-use common::*;
+use common::{api::mock_client, gate::*, *};
+use k8s_openapi::api::core::v1::Pod;
 use lapin::{
     Connection, ConnectionProperties,
     options::{BasicConsumeOptions, QueueDeclareOptions},
@@ -17,10 +18,13 @@ use lapin::{
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool, uri::BrokerUri},
     consumers::{Change, ConsumerTracker, QueueKey, Tracking, tracker::STATS_LAG},
+    controller::Context,
     converge::{self, Mode},
+    gate::index::ObjectKey,
     reconcile,
     simulation::{self, Scenario},
 };
+use serde_json::json;
 use std::{
     collections::BTreeSet,
     sync::Arc,
@@ -235,6 +239,51 @@ async fn a_killed_node_takes_its_consumers_with_it_within_two_seconds() {
     let left: Vec<String> = t.consumers_on(&key).into_iter().map(|c| c.tag).collect();
     assert_eq!(left, ["on-qb"]);
     cluster.delete_queue(&queue).await;
+}
+
+/// The same crash as the operator runs it: the pod's gate condition, written through the (mocked)
+/// API by the gate's one pod writer, goes False within 2 s, with no reconcile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_seconds() {
+    let Some(cluster) =
+        Cluster::from_env("killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_seconds")
+    else {
+        return;
+    };
+    let (client, mut api) = mock_client();
+    let ctx = Arc::new(Context::new(client, &unique("cluster-gate")));
+    let t = ctx.brokers.tracker(&cluster.uri(), None).unwrap();
+    assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
+    let name = unique("gate-crash");
+    cluster.quorum_queue(&name).await;
+    let p = policy_doc(&name, "queue: {type: quorum}\n  consumers: {deployment: worker, minAttachedSeconds: 0}");
+    watched(&ctx, &[&p], &[worker_deployment(json!({"type": "RollingUpdate"}))], &[worker_pod(None)], &[]);
+    let key = QueueKey::new("/", &name);
+    ctx.gate.bind(&ObjectKey::of(&p), Ok((t.clone(), key.clone())));
+
+    // The pod (127.0.0.1, as every client here) consumes through qc.
+    let (_conn, ch) = cluster.app(2, "worker-abc-1").await;
+    let _consumer = ch
+        .basic_consume(
+            name.as_str().into(),
+            "worker-ctag".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("True"))).unwrap()));
+
+    let killed = Instant::now();
+    let revive = kill("qc");
+    let written = expect_pod_condition(&mut api, "False", "NoConsumer").await;
+    let after = killed.elapsed();
+    eprintln!("kill -9 qc: the pod's gate condition written False after {after:?}");
+    assert!(after < Duration::from_secs(2), "{after:?}: {written}");
+    drop(revive);
+    cluster.delete_queue(&name).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

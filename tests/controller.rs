@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{api::*, *};
+use common::{api::*, gate::*, *};
 use http::StatusCode;
 use k8s_openapi::{
     ByteString,
@@ -293,85 +293,6 @@ async fn deletion_waits_for_an_empty_queue(queue_type: &str) {
     assert_eq!(run(p, ctx).await.unwrap(), Action::await_change());
     server.await.unwrap();
     assert!(!exists(&name).await);
-}
-
-fn worker_deployment(strategy: Value) -> Value {
-    json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "worker", "namespace": "test", "generation": 1, "uid": "d-uid"},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "worker"}}, "strategy": strategy,
-                 "template": {"metadata": {"labels": {"app": "worker"}}, "spec": {"containers": [{"name": "w", "image": "w"}]}}},
-        "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1},
-    })
-}
-
-/// The worker's pod, started a minute ago, its containers ready for 50 s, and its gate condition
-/// as given (set 40 s ago).
-fn worker_pod(gate: Option<&str>) -> Value {
-    let ago =
-        |s: i64| (k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(s)).to_string();
-    let mut conditions = vec![json!({"type": "ContainersReady", "status": "True", "lastTransitionTime": ago(50)})];
-    if let Some(status) = gate {
-        conditions.push(json!({"type": "queueguard.io/consumer-attached", "status": status, "reason": "ConsumerAttached", "lastTransitionTime": ago(40)}));
-    }
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "worker-abc-1", "namespace": "test", "uid": "pod-uid-1",
-                     "labels": {"app": "worker", "pod-template-hash": "abc"},
-                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "worker-abc", "uid": "rs-uid"}]},
-        "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]},
-        "status": {"podIP": "127.0.0.1", "startTime": ago(60), "phase": "Running", "conditions": conditions},
-    })
-}
-
-/// What the watches would deliver: each kind listed once, so the gate has synced.
-fn watched(ctx: &Context, policies: &[&QueuePolicy], deployments: &[Value], pods: &[Value], budgets: &[Value]) {
-    use kube::runtime::watcher::Event;
-    let gate = &ctx.gate;
-    gate.on(&Event::<QueuePolicy>::Init);
-    for p in policies {
-        gate.on(&Event::InitApply((*p).clone()));
-    }
-    gate.on(&Event::<QueuePolicy>::InitDone);
-    gate.on(&Event::<Deployment>::Init);
-    for d in deployments {
-        gate.on(&Event::InitApply(serde_json::from_value::<Deployment>(d.clone()).unwrap()));
-    }
-    gate.on(&Event::<Deployment>::InitDone);
-    gate.on(&Event::<PodDisruptionBudget>::Init);
-    for b in budgets {
-        gate.on(&Event::InitApply(serde_json::from_value::<PodDisruptionBudget>(b.clone()).unwrap()));
-    }
-    gate.on(&Event::<PodDisruptionBudget>::InitDone);
-    gate.on(&Event::<Pod>::Init);
-    for p in pods {
-        gate.on(&Event::InitApply(serde_json::from_value::<Pod>(p.clone()).unwrap()));
-    }
-    gate.on(&Event::<Pod>::InitDone);
-}
-
-/// The one pod writer's patch of the gate condition: a strategic merge on pods/status with the
-/// pod's UID as precondition, then its Event on the pod.
-async fn expect_pod_condition(api: &mut ApiServer, status: &str, reason: &str) -> Value {
-    let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
-    assert_eq!(call.content_type, "application/strategic-merge-patch+json");
-    assert_eq!(call.body["metadata"], json!({"uid": "pod-uid-1"}));
-    let conditions = call.body["status"]["conditions"].as_array().unwrap().clone();
-    assert_eq!(conditions.len(), 1, "only the gate condition is written");
-    assert_eq!(
-        (conditions[0]["type"].as_str(), conditions[0]["status"].as_str(), conditions[0]["reason"].as_str()),
-        (Some("queueguard.io/consumer-attached"), Some(status), Some(reason))
-    );
-    call.respond(StatusCode::OK, &worker_pod(Some(status)));
-    let call = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;
-    let event = call.body.clone();
-    assert_eq!(
-        (event["regarding"]["kind"].as_str(), event["regarding"]["name"].as_str()),
-        (Some("Pod"), Some("worker-abc-1"))
-    );
-    assert_eq!(event["regarding"]["uid"], "pod-uid-1");
-    call.respond(StatusCode::CREATED, &event);
-    conditions[0].clone()
 }
 
 /// Nothing reaches the API for `quiet`.

@@ -499,8 +499,9 @@ async fn publish_on(
     while !stop.load(Ordering::SeqCst) {
         let body = seq.to_string();
         let queue = &queues[*seq as usize % queues.len()];
-        let confirm = ch
-            .basic_publish(
+        // A confirm that never comes (its node went down mid-flight) is a failure to retry.
+        let confirm = pod::bounded(async {
+            ch.basic_publish(
                 "".into(),
                 queue.as_str().into(),
                 BasicPublishOptions::default(),
@@ -508,7 +509,9 @@ async fn publish_on(
                 BasicProperties::default().with_delivery_mode(2),
             )
             .await?
-            .await?;
+            .await
+        })
+        .await?;
         // Unroutable messages (the queue is gone) are confirmed too: published, and lost.
         if confirm.is_ack() {
             published.fetch_add(1, Ordering::SeqCst);

@@ -69,19 +69,30 @@ impl Declare {
 }
 
 /// Connects to the broker's nodes in turn, starting at `first` (modulo their number), as a
-/// client with an address list does.
+/// client with an address list does; each within [`BROKER_TIMEOUT`] (a node shutting down or
+/// booting can accept the TCP connection and never finish the handshake).
 pub async fn connect(uri: &BrokerUri, first: usize, name: &str) -> lapin::Result<Connection> {
     let nodes = uri.nodes();
     let mut last = None;
     for i in 0..nodes.len() {
         let node = &nodes[(first + i) % nodes.len()];
         let props = ConnectionProperties::default().with_connection_name(name.into());
-        match Connection::connect_uri(uri.amqp_at(node), props).await {
+        match bounded(Connection::connect_uri(uri.amqp_at(node), props)).await {
             Ok(conn) => return Ok(conn),
             Err(e) => last = Some(e),
         }
     }
     Err(last.expect("a broker URI names at least one node"))
+}
+
+/// How long a simulated client waits for the broker before it gives the connection up.
+pub const BROKER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `op`, failing as timed out after [`BROKER_TIMEOUT`].
+pub async fn bounded<T>(op: impl std::future::Future<Output = lapin::Result<T>>) -> lapin::Result<T> {
+    tokio::time::timeout(BROKER_TIMEOUT, op)
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the broker did not answer").into()))
 }
 
 /// How a consumer's session ended.
@@ -257,7 +268,7 @@ async fn attach_and_work(
     stopped: &mut oneshot::Receiver<()>,
 ) -> lapin::Result<Ended> {
     let conn = connect(uri, node, name).await?;
-    let ch = conn.create_channel().await?;
+    let ch = bounded(conn.create_channel()).await?;
     let (options, arguments) = match declare {
         Declare::AutoDelete => (QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()),
         Declare::Durable => (QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()),
@@ -267,15 +278,14 @@ async fn attach_and_work(
             (QueueDeclareOptions { durable: true, ..Default::default() }, arguments)
         }
     };
-    ch.basic_qos(10, BasicQosOptions::default()).await?;
+    bounded(ch.basic_qos(10, BasicQosOptions::default())).await?;
     let mut deliveries = SelectAll::new();
     for (i, queue) in queues.iter().enumerate() {
-        ch.queue_declare(queue.as_str().into(), options, arguments.clone()).await?;
+        bounded(ch.queue_declare(queue.as_str().into(), options, arguments.clone())).await?;
         let tag = format!("{name}.{i}");
-        deliveries.push(
-            ch.basic_consume(queue.as_str().into(), tag.into(), BasicConsumeOptions::default(), FieldTable::default())
-                .await?,
-        );
+        let options = BasicConsumeOptions::default();
+        deliveries
+            .push(bounded(ch.basic_consume(queue.as_str().into(), tag.into(), options, FieldTable::default())).await?);
     }
     shared.attached_ms.store(now_ms(), Ordering::SeqCst);
     loop {
@@ -295,7 +305,7 @@ async fn attach_and_work(
     }
     // Graceful shutdown: stop receiving, finish what was already delivered, then leave.
     for i in 0..queues.len() {
-        ch.basic_cancel(format!("{name}.{i}").into(), BasicCancelOptions::default()).await?;
+        bounded(ch.basic_cancel(format!("{name}.{i}").into(), BasicCancelOptions::default())).await?;
     }
     while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await {
         if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {

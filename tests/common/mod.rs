@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod api;
+pub mod gate;
 
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties,
