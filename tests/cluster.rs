@@ -80,6 +80,16 @@ impl Cluster {
         pool.tracker(&self.uri(), None).unwrap()
     }
 
+    /// A tracker whose events flow, and a new quorum queue.
+    async fn tracked_queue(&self, prefix: &str) -> (BrokerPool, Arc<ConsumerTracker>, String) {
+        let pool = BrokerPool::new(unique("cluster"));
+        let t = self.tracker(&pool);
+        assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
+        let queue = unique(prefix);
+        self.quorum_queue(&queue).await;
+        (pool, t, queue)
+    }
+
     /// A connection to node `i` only, as an application pinned to it.
     async fn app(&self, i: usize, name: &str) -> (Connection, lapin::Channel) {
         let props = ConnectionProperties::default().with_connection_name(name.into());
@@ -134,20 +144,6 @@ fn kill(node: &'static str) -> Revive {
     Revive(node)
 }
 
-async fn next_change_on(
-    rx: &mut tokio::sync::broadcast::Receiver<Change>,
-    queue: &QueueKey,
-    within: Duration,
-) -> Option<Change> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let change = tokio::time::timeout_at(deadline, rx.recv()).await.ok()?.ok()?;
-        if change.queue() == Some(queue) {
-            return Some(change);
-        }
-    }
-}
-
 async fn tracking_events(t: &ConsumerTracker, within: Duration) -> bool {
     t.wait_synced("/", within).await && eventually(within, || async { t.tracking("/") == Tracking::Events }).await
 }
@@ -161,11 +157,7 @@ async fn consumers_attached_on_every_node_are_seen_through_one_subscription() {
     let Some(cluster) = Cluster::from_env("consumers_attached_on_every_node_are_seen_through_one_subscription") else {
         return;
     };
-    let pool = BrokerPool::new(unique("cluster"));
-    let t = cluster.tracker(&pool);
-    assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
-    let queue = unique("every-node");
-    cluster.quorum_queue(&queue).await;
+    let (_pool, t, queue) = cluster.tracked_queue("every-node").await;
     let key = QueueKey::new("/", &queue);
     let mut rx = t.subscribe();
 
@@ -199,11 +191,7 @@ async fn a_killed_node_takes_its_consumers_with_it_within_two_seconds() {
     let Some(cluster) = Cluster::from_env("a_killed_node_takes_its_consumers_with_it_within_two_seconds") else {
         return;
     };
-    let pool = BrokerPool::new(unique("cluster"));
-    let t = cluster.tracker(&pool);
-    assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
-    let queue = unique("node-crash");
-    cluster.quorum_queue(&queue).await;
+    let (_pool, t, queue) = cluster.tracked_queue("node-crash").await;
     let key = QueueKey::new("/", &queue);
     let mut rx = t.subscribe();
     let (_doomed, ch_c) = cluster.app(2, "pod-on-qc").await;

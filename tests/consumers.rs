@@ -39,20 +39,6 @@ async fn named_app(connection_name: &str) -> (Connection, lapin::Channel) {
     (conn, ch)
 }
 
-async fn next_change_on(
-    rx: &mut tokio::sync::broadcast::Receiver<Change>,
-    queue: &QueueKey,
-    within: Duration,
-) -> Option<Change> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let change = tokio::time::timeout_at(deadline, rx.recv()).await.ok()?.ok()?;
-        if change.queue() == Some(queue) {
-            return Some(change);
-        }
-    }
-}
-
 #[tokio::test]
 async fn events_report_attach_and_detach_with_peer_connection_prefetch_and_ack_mode() {
     let t = tracker(&broker_uri());

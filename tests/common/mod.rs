@@ -12,6 +12,7 @@ use lapin::{
 };
 use queueguard::{
     broker::{Broker, BrokerCredentials, BrokerPool},
+    consumers::{Change, QueueKey},
     crd::QueuePolicy,
     plan::{self, Limits, QueuePlan},
     reconcile,
@@ -259,4 +260,19 @@ pub fn run_binary(args: &[&str], env: &[(&str, String)], stdin: Option<&str>) ->
         .unwrap();
     child.stdin.take().unwrap().write_all(stdin.unwrap_or("").as_bytes()).unwrap();
     child.wait_with_output().unwrap()
+}
+
+/// The next change the tracker reports about `queue`, within `within`.
+pub async fn next_change_on(
+    rx: &mut tokio::sync::broadcast::Receiver<Change>,
+    queue: &QueueKey,
+    within: Duration,
+) -> Option<Change> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let change = tokio::time::timeout_at(deadline, rx.recv()).await.ok()?.ok()?;
+        if change.queue() == Some(queue) {
+            return Some(change);
+        }
+    }
 }
