@@ -75,8 +75,9 @@ pub struct QueuePolicySpec {
 #[serde(rename_all = "camelCase")]
 pub struct BrokerSpec {
     /// Secret holding `uri` (amqp:// or amqps://user:pass@host:port/vhost) and optionally
-    /// `managementUri` (http[s]://host:15672; default: the AMQP host on port 15672 with the same
-    /// credentials).
+    /// `managementUri` (http[s]://host:15672, comma-separated for a cluster; default: each AMQP
+    /// host on port 15672 with the same credentials), `caCert` (PEM) and `addresses` (a cluster's
+    /// nodes, host:port,host:port,... in the order to try).
     pub secret_ref: SecretRef,
     /// Virtual host of the queue. Default: the vhost in the Secret's `uri`, else `/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
