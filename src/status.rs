@@ -11,7 +11,7 @@ use k8s_openapi::{
 };
 
 /// Condition types of a QueuePolicy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
 pub enum ConditionType {
     /// Everything below is True: the queue is safe as specified.
     Ready,
@@ -32,19 +32,12 @@ impl ConditionType {
         [Self::Ready, Self::QueueDeclared, Self::DeadLetterReady, Self::SettingsApplied];
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ready => "Ready",
-            Self::QueueDeclared => "QueueDeclared",
-            Self::DeadLetterReady => "DeadLetterReady",
-            Self::SettingsApplied => "SettingsApplied",
-            Self::ConsumersAttached => "ConsumersAttached",
-            Self::RolloutSafe => "RolloutSafe",
-        }
+        self.into()
     }
 }
 
 /// Machine-readable reasons, shared by conditions and Events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
 pub enum Reason {
     Reconciled,
     Declared,
@@ -78,41 +71,12 @@ pub enum Reason {
 
 impl Reason {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Reconciled => "Reconciled",
-            Self::Declared => "Declared",
-            Self::PolicyApplied => "PolicyApplied",
-            Self::ArgumentsApplied => "ArgumentsApplied",
-            Self::ArgumentsConflict => "ArgumentsConflict",
-            Self::ExchangeNotFound => "ExchangeNotFound",
-            Self::QueueNotFound => "QueueNotFound",
-            Self::QueueNotDeclared => "QueueNotDeclared",
-            Self::AccessRefused => "AccessRefused",
-            Self::BrokerRefused => "BrokerRefused",
-            Self::BrokerUnreachable => "BrokerUnreachable",
-            Self::PolicyShadowed => "PolicyShadowed",
-            Self::PolicyRejected => "PolicyRejected",
-            Self::SecretNotFound => "SecretNotFound",
-            Self::SecretKeyMissing => "SecretKeyMissing",
-            Self::InvalidBrokerUri => "InvalidBrokerUri",
-            Self::InvalidSpec => "InvalidSpec",
-            Self::DeletionBlocked => "DeletionBlocked",
-            Self::QueueDeleted => "QueueDeleted",
-            Self::QueueRetained => "QueueRetained",
-            Self::QueueRecreated => "QueueRecreated",
-            Self::Attached => "Attached",
-            Self::TooFewAttached => "TooFewAttached",
-            Self::ScaledToZero => "ScaledToZero",
-            Self::RolloutGuarded => "RolloutGuarded",
-            Self::UnsafeRolloutStrategy => "UnsafeRolloutStrategy",
-            Self::GateNotInstalled => "GateNotInstalled",
-            Self::DeploymentNotFound => "DeploymentNotFound",
-        }
+        self.into()
     }
 }
 
 /// A condition's status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
 pub enum Truth {
     True,
     False,
@@ -121,11 +85,7 @@ pub enum Truth {
 
 impl Truth {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::True => "True",
-            Self::False => "False",
-            Self::Unknown => "Unknown",
-        }
+        self.into()
     }
 }
 

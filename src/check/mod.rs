@@ -108,7 +108,8 @@ pub struct Manifests {
 }
 
 /// How bad a finding is. Both make `queueguard check` exit 1.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
 pub enum Severity {
     /// Messages can be lost, or rollouts or drains stall.
     Error,
@@ -118,10 +119,7 @@ pub enum Severity {
 
 impl Severity {
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Error => "error",
-            Self::Warning => "warning",
-        }
+        self.into()
     }
 }
 

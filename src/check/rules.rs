@@ -30,7 +30,8 @@ const DEFAULT_PROBE_PERIOD_SECONDS: i64 = 10;
 const DEFAULT_PROBE_FAILURE_THRESHOLD: i64 = 3;
 
 /// Every rule, with a stable id and a kebab-case name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, strum::IntoStaticStr)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Rule {
     InvalidPolicy,
     UnsafeRolloutStrategy,
@@ -83,21 +84,7 @@ impl Rule {
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            Self::InvalidPolicy => "invalid-policy",
-            Self::UnsafeRolloutStrategy => "unsafe-rollout-strategy",
-            Self::MissingReadinessGate => "missing-readiness-gate",
-            Self::GateNeverOpens => "gate-never-opens",
-            Self::ExpiresShorterThanRollout => "expires-shorter-than-rollout",
-            Self::ExpiringDeadLetterQueue => "expiring-dead-letter-queue",
-            Self::DeadLetterLoop => "dead-letter-loop",
-            Self::MinAttachedExceedsReplicas => "min-attached-exceeds-replicas",
-            Self::ScaledToZeroQueueExpires => "scaled-to-zero-queue-expires",
-            Self::DisruptionBudgetBlocksDrains => "disruption-budget-blocks-drains",
-            Self::DuplicateQueue => "duplicate-queue",
-            Self::UnanchoredPattern => "unanchored-pattern",
-            Self::ClassicQueueOnCluster => "classic-queue-on-cluster",
-        }
+        self.into()
     }
 
     /// One line on what the rule finds.

@@ -84,7 +84,7 @@ fn default_expires() -> String {
 }
 
 /// What the watch on the matching queues can find.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema, strum::IntoStaticStr)]
 pub enum PatternFinding {
     /// The number of matching queues keeps rising: queues are created faster than they go.
     QueueLeak,
@@ -96,10 +96,7 @@ impl PatternFinding {
     pub const ALL: [PatternFinding; 2] = [Self::QueueLeak, Self::OrphanedReplies];
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::QueueLeak => "QueueLeak",
-            Self::OrphanedReplies => "OrphanedReplies",
-        }
+        self.into()
     }
 }
 
