@@ -1,7 +1,10 @@
 //! Which Kubernetes Events a status change deserves: one per condition transition, never one per
 //! reconcile.
 
-use crate::{crd::Finding, status::ConditionType};
+use crate::{
+    crd::Finding,
+    status::{ConditionType, Truth},
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
 /// Events carry at most 1 KiB of note.
@@ -34,7 +37,7 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             continue;
         }
         let event = EventSpec {
-            warning: now.status != "True",
+            warning: Truth::of(&now.status) != Truth::True,
             reason: now.reason.clone(),
             action,
             note: truncate(&now.message),
@@ -57,12 +60,13 @@ pub fn finding_transitions(
     kinds: &[&str],
     action: &'static str,
 ) -> Vec<EventSpec> {
-    let was_seen = |kind: &str| old.iter().any(|c| c.type_ == kind && c.status == "True");
+    let holds = |c: &Condition| Truth::of(&c.status) == Truth::True;
+    let was_seen = |kind: &str| old.iter().any(|c| c.type_ == kind && holds(c));
     kinds
         .iter()
         .filter_map(|&kind| {
             let now = new.iter().find(|c| c.type_ == kind)?;
-            match (was_seen(kind), now.status == "True") {
+            match (was_seen(kind), holds(now)) {
                 (false, true) => {
                     Some(EventSpec { warning: true, reason: kind.into(), action, note: truncate(&now.message) })
                 }

@@ -46,7 +46,8 @@ pub fn endpoint(
 pub fn mode_for(plan: &QueuePlan, previous: Option<&QueuePolicyStatus>, generation: Option<i64>) -> Mode {
     let declared_this_generation = previous.is_some_and(|s| {
         s.observed_generation == generation
-            && status::find(&s.conditions, ConditionType::QueueDeclared).is_some_and(|c| c.status == "True")
+            && status::find(&s.conditions, ConditionType::QueueDeclared)
+                .is_some_and(|c| status::Truth::of(&c.status) == status::Truth::True)
     });
     if !plan.keep_alive && declared_this_generation { Mode::Observe } else { Mode::Declare }
 }

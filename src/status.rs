@@ -76,7 +76,7 @@ impl Reason {
 }
 
 /// A condition's status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, strum::EnumString)]
 pub enum Truth {
     True,
     False,
@@ -86,6 +86,17 @@ pub enum Truth {
 impl Truth {
     pub fn as_str(self) -> &'static str {
         self.into()
+    }
+
+    /// A condition's status as read; anything unrecognised is Unknown.
+    pub fn of(status: &str) -> Self {
+        status.parse().unwrap_or(Self::Unknown)
+    }
+}
+
+impl From<bool> for Truth {
+    fn from(holds: bool) -> Self {
+        if holds { Self::True } else { Self::False }
     }
 }
 
@@ -268,8 +279,8 @@ pub fn finding_condition(
     now: Timestamp,
 ) -> Condition {
     match seen {
-        Some(why) => condition_of(old, kind, "True", kind, why, generation, now),
-        None => condition_of(old, kind, "False", "NotSeen", "not seen at the last look", generation, now),
+        Some(why) => condition_of(old, kind, Truth::True, kind, why, generation, now),
+        None => condition_of(old, kind, Truth::False, "NotSeen", "not seen at the last look", generation, now),
     }
 }
 
@@ -280,15 +291,14 @@ fn condition(
     generation: Option<i64>,
     now: Timestamp,
 ) -> Condition {
-    let status = check.status.as_str();
-    condition_of(old, kind.as_str(), status, check.reason.as_str(), &check.message, generation, now)
+    condition_of(old, kind.as_str(), check.status, check.reason.as_str(), &check.message, generation, now)
 }
 
 /// A condition of any type; its lastTransitionTime moves only when its status flips.
 pub fn condition_of(
     old: &[Condition],
     type_: &str,
-    status: &str,
+    status: Truth,
     reason: &str,
     message: &str,
     generation: Option<i64>,
@@ -296,11 +306,11 @@ pub fn condition_of(
 ) -> Condition {
     let since = old
         .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
+        .find(|c| c.type_ == type_ && Truth::of(&c.status) == status)
         .map_or(Time(now), |c| c.last_transition_time.clone());
     Condition {
         type_: type_.into(),
-        status: status.into(),
+        status: status.as_str().into(),
         reason: reason.into(),
         message: message.into(),
         observed_generation: generation,

@@ -44,7 +44,10 @@ fn rejections(object: &Value, old: Option<&Value>) -> Vec<String> {
 #[test]
 fn committed_crd_matches_the_generator() {
     let committed = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/crds/queuepolicy.yaml")).unwrap();
-    assert!(committed == crd_yaml(), "crds/queuepolicy.yaml is stale: run `cargo run -- crd --kind queue-policy > crds/queuepolicy.yaml`");
+    assert!(
+        committed == crd_yaml(),
+        "crds/queuepolicy.yaml is stale: run `cargo run -- crd --kind queue-policy > crds/queuepolicy.yaml`"
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use crate::{
         crd::{PatternFinding, QueuePattern, QueuePatternStatus},
     },
     plan,
-    status::{Check, Reason, condition_of, finding_condition},
+    status::{Check, ConditionType, Reason, Truth, condition_of, finding_condition},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Condition, jiff::Timestamp};
 use kube::{
@@ -122,8 +122,8 @@ pub fn next_status(
     let old = previous.cloned().unwrap_or_default();
     let mut conditions = vec![condition_of(
         &old.conditions,
-        "Ready",
-        ready.status.as_str(),
+        ConditionType::Ready.as_str(),
+        ready.status,
         ready.reason.as_str(),
         &ready.message,
         generation,
@@ -150,11 +150,12 @@ pub fn next_status(
 /// Ready changing, and findings coming up (Warning) or clearing (Normal).
 fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
     let mut events = Vec::new();
-    if let Some(ready) = new.iter().find(|c| c.type_ == "Ready")
-        && !old.iter().any(|w| w.type_ == "Ready" && w.status == ready.status && w.reason == ready.reason)
+    let is_ready = |c: &&Condition| c.type_ == ConditionType::Ready.as_str();
+    if let Some(ready) = new.iter().find(is_ready)
+        && !old.iter().filter(is_ready).any(|w| w.status == ready.status && w.reason == ready.reason)
     {
         events.push(EventSpec {
-            warning: ready.status != "True",
+            warning: Truth::of(&ready.status) != Truth::True,
             reason: ready.reason.clone(),
             action: "ApplyPolicy",
             note: truncate(&ready.message),

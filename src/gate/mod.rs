@@ -30,7 +30,7 @@ use crate::{
         RolloutPhase, WaitingPod,
     },
     events::EventSpec,
-    status::{Check, Reason},
+    status::{Check, Reason, Truth},
 };
 use index::{ObjectKey, PolicyView};
 use k8s_openapi::{api::apps::v1::Deployment, apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
@@ -80,7 +80,7 @@ impl PodPatch {
             "metadata": {"uid": self.uid},
             "status": {"conditions": [{
                 "type": GATE_CONDITION,
-                "status": if self.attached { "True" } else { "False" },
+                "status": Truth::from(self.attached).as_str(),
                 "reason": self.reason.as_str(),
                 "message": crate::events::truncate(&self.message),
                 "lastTransitionTime": rfc3339(self.transition_ms),

@@ -1,7 +1,7 @@
 //! Pods and their consumers: what the gate needs to know of a pod, and which consumer is whose.
 
 use super::{GATE_CONDITION, guards::deployment_of};
-use crate::{consumers::Consumer, crd::MatchBy};
+use crate::{consumers::Consumer, crd::MatchBy, status::Truth};
 use k8s_openapi::{api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::Time};
 
 /// Broker and Kubernetes clocks differ; a consumer whose connection opened up to this long
@@ -44,13 +44,13 @@ impl PodFacts {
         let conditions = status.and_then(|s| s.conditions.as_deref()).unwrap_or_default();
         let ms = |t: &Option<Time>| t.as_ref().map_or(0, |t| t.0.as_millisecond());
         let condition = conditions.iter().find(|c| c.type_ == GATE_CONDITION).map(|c| GateCondition {
-            status: c.status == "True",
+            status: Truth::of(&c.status) == Truth::True,
             reason: c.reason.clone().unwrap_or_default(),
             since_ms: ms(&c.last_transition_time),
         });
         let containers_ready_since_ms = conditions
             .iter()
-            .find(|c| c.type_ == "ContainersReady" && c.status == "True")
+            .find(|c| c.type_ == "ContainersReady" && Truth::of(&c.status) == Truth::True)
             .map(|c| ms(&c.last_transition_time));
         let mut ips: Vec<String> = status
             .and_then(|s| s.pod_ips.as_ref())
