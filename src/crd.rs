@@ -470,9 +470,12 @@ pub struct ConsumersObservation {
     pub attached: i32,
     /// Replicas of the consumer Deployment(s).
     pub expected: i32,
-    /// How consumers are seen: Events (rabbitmq_event_exchange), Polling (management API only,
-    /// with the reason), or Unavailable.
-    pub tracking: String,
+    /// How consumers are seen: Events (rabbitmq_event_exchange, and snapshots), Polling
+    /// (management API snapshots only), Unavailable, or Starting (the first look is not done).
+    pub tracking: TrackingMode,
+    /// Why consumers are polled for, or cannot be seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracking_reason: Option<String>,
     /// Consumers of the queue that belong to no consumer pod (other clients, or NAT addresses:
     /// see consumers.matchBy).
     #[serde(default)]
@@ -494,7 +497,33 @@ pub struct PodAttachment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<Time>,
     /// The readiness gate: Open (condition True), Closed, or NotInstalled (no readinessGate).
-    pub gate: String,
+    pub gate: PodGate,
+}
+
+/// How the operator sees a queue's consumers.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum TrackingMode {
+    /// Not yet known: the first look at the vhost has not finished.
+    #[default]
+    Starting,
+    /// Broker events (rabbitmq_event_exchange) within milliseconds, and snapshots.
+    Events,
+    /// Management API snapshots only, every couple of seconds (trackingReason says why).
+    Polling,
+    /// Neither: the consumers cannot be seen (trackingReason says why).
+    Unavailable,
+}
+
+/// A consumer pod's readiness gate.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum PodGate {
+    /// The gate condition is True.
+    Open,
+    /// The gate condition is False or not yet written.
+    #[default]
+    Closed,
+    /// The pod has no readinessGate for the operator's condition.
+    NotInstalled,
 }
 
 /// The consumer Deployment's rollout as the gate sees it.

@@ -81,6 +81,19 @@ impl Tracking {
     }
 }
 
+impl Tracking {
+    /// The word status shows, and the reason beside it.
+    pub fn mode(&self) -> (crate::crd::TrackingMode, Option<&str>) {
+        use crate::crd::TrackingMode;
+        match self {
+            Self::Events => (TrackingMode::Events, None),
+            Self::Polling(why) => (TrackingMode::Polling, Some(why)),
+            Self::Unavailable(why) => (TrackingMode::Unavailable, Some(why)),
+            Self::Starting => (TrackingMode::Starting, None),
+        }
+    }
+}
+
 impl std::fmt::Display for Tracking {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

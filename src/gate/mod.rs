@@ -26,8 +26,8 @@ pub mod verdict;
 use crate::{
     consumers::Tracking,
     crd::{
-        ConsumersObservation, ConsumersSpec, FailurePolicy, GateMode, MatchBy, PodAttachment, RolloutObservation,
-        RolloutPhase, WaitingPod,
+        ConsumersObservation, ConsumersSpec, FailurePolicy, GateMode, MatchBy, PodAttachment, PodGate,
+        RolloutObservation, RolloutPhase, WaitingPod,
     },
     events::EventSpec,
     status::{Check, Reason, Truth},
@@ -147,13 +147,12 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
             attached: pod.attached_since.is_some(),
             since: pod.attached_since.map(time),
             gate: if !pod.has_gate {
-                "NotInstalled"
+                PodGate::NotInstalled
             } else if pod.open {
-                "Open"
+                PodGate::Open
             } else {
-                "Closed"
-            }
-            .into(),
+                PodGate::Closed
+            },
         });
     }
     let attached = view.pods.iter().filter(|p| p.counts).count() as i32;
@@ -234,7 +233,8 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
         consumers: ConsumersObservation {
             attached,
             expected,
-            tracking: view.tracking.to_string(),
+            tracking: view.tracking.mode().0,
+            tracking_reason: view.tracking.mode().1.map(str::to_owned),
             unmatched: view.unmatched as i32,
             pods: attachments,
         },

@@ -8,7 +8,7 @@ use super::{
 };
 use crate::{
     consumers::{Consumer, QueueKey},
-    crd::{FailurePolicy, GateMode, RolloutPhase},
+    crd::{FailurePolicy, GateMode, PodGate, RolloutPhase, TrackingMode},
     gate::guards::Selects,
 };
 use k8s_openapi::api::apps::v1::{DeploymentSpec, DeploymentStatus, DeploymentStrategy};
@@ -130,7 +130,7 @@ fn a_consumer_attached_long_enough_opens_the_gate() {
     assert_eq!((r.consumers.attached, r.consumers.expected), (1, 1));
     assert_eq!(r.consumers_attached.reason, Reason::Attached);
     assert_eq!(r.rollout.phase, RolloutPhase::Idle);
-    assert_eq!(r.consumers.pods[0].gate, "Open", "written, and shown so before it is seen back");
+    assert_eq!(r.consumers.pods[0].gate, PodGate::Open, "written, and shown so before it is seen back");
 }
 
 #[test]
@@ -150,7 +150,7 @@ fn no_consumer_keeps_the_gate_shut() {
     let d = run(&plan(), &[deployment(1)], &[pod(1)], &[], Tracking::Events);
     assert!(d.patches.is_empty());
     assert_eq!(d.report.consumers_attached.reason, Reason::TooFewAttached);
-    assert_eq!(d.report.consumers.pods[0].gate, "Closed");
+    assert_eq!(d.report.consumers.pods[0].gate, PodGate::Closed);
 }
 
 #[test]
@@ -299,7 +299,7 @@ fn pods_without_the_readiness_gate_are_listed() {
     assert!(d.report.rollout_safe.message.contains(crate::webhook::NAMESPACE_LABEL_TEXT));
     assert!(patch_of(&d, "worker-2").is_none(), "no condition on a pod that has no gate");
     let bare_status = d.report.consumers.pods.iter().find(|p| p.name == "worker-2").unwrap();
-    assert_eq!((bare_status.gate.as_str(), bare_status.attached), ("NotInstalled", true));
+    assert_eq!((bare_status.gate, bare_status.attached), (PodGate::NotInstalled, true));
 }
 
 #[test]
@@ -372,7 +372,8 @@ fn a_deployment_mid_rollout_is_progressing() {
 fn polling_is_said_in_status() {
     let d =
         run(&plan(), &[deployment(1)], &[pod(1)], &[consumer_from(1, 0)], Tracking::Polling("plugin missing".into()));
-    assert!(d.report.consumers.tracking.starts_with("Polling"));
+    assert_eq!(d.report.consumers.tracking, TrackingMode::Polling);
+    assert!(d.report.consumers.tracking_reason.is_some());
     assert!(d.report.consumers_attached.message.contains("polling the management API (plugin missing)"));
     assert!(patch_of(&d, "worker-1").unwrap().attached, "polling data is live enough to gate on");
 }
