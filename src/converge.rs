@@ -9,7 +9,7 @@ use crate::{
         Broker,
         amqp::AmqpError,
         management::ManagementError,
-        refusal::{ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, Refusal},
+        refusal::{ACCESS_REFUSED, Inequivalence, NOT_FOUND, PRECONDITION_FAILED, Refusal},
     },
     crd::{Binding, DeadLetterObservation, QueueObservation, QueueType, SettingsMode},
     duration::Human,
@@ -42,13 +42,29 @@ enum StepError {
     /// The connection went away mid-step (closed by the broker, perhaps for another policy's
     /// operation): worth one more try on a fresh connection.
     Lost(String),
-    Refused(Refusal),
+    Refused(Refused),
+}
+
+/// What refused a step, as a condition reports it.
+enum Refused {
+    /// The broker refused an AMQP operation.
+    Broker(Refusal),
+    /// The entity exists with other settings, on this argument; with the broker's refusal when
+    /// a declare was refused (an observation through the management API has none).
+    Conflict(Inequivalence, Option<Refusal>),
+    /// The queue is not there (seen through the management API).
+    QueueMissing,
+    /// The management API refused the request.
+    Management(ManagementError),
 }
 
 impl From<AmqpError> for StepError {
     fn from(e: AmqpError) -> Self {
         match e {
-            AmqpError::Refused(r) => Self::Refused(r),
+            AmqpError::Refused(r) => Self::Refused(match r.inequivalence() {
+                Some(i) => Refused::Conflict(i, Some(r)),
+                None => Refused::Broker(r),
+            }),
             lost @ AmqpError::Lost { .. } => Self::Lost(lost.to_string()),
             unreachable => Self::Unreachable(unreachable.to_string()),
         }
@@ -200,12 +216,7 @@ async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObserva
 /// Checks the queue through the management API, which does not renew its expiry lease.
 async fn observe_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result<QueueObservation, StepError> {
     let info = broker.management.queue(vhost, &plan.queue).await.map_err(management_step_error)?;
-    let Some(info) = info else {
-        return Err(StepError::Refused(Refusal {
-            code: NOT_FOUND,
-            text: format!("NOT_FOUND - no queue '{}' in vhost '{vhost}'", plan.queue),
-        }));
-    };
+    let Some(info) = info else { return Err(StepError::Refused(Refused::QueueMissing)) };
     let mut diffs = settings::argument_differences(&settings::queue_arguments(plan), &info.arguments);
     if !info.durable || info.auto_delete || info.exclusive {
         diffs.insert(
@@ -217,17 +228,8 @@ async fn observe_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result
             },
         );
     }
-    if let Some(first) = diffs.first() {
-        return Err(StepError::Refused(Refusal {
-            code: PRECONDITION_FAILED,
-            text: format!(
-                "PRECONDITION_FAILED - inequivalent arg '{}' for queue '{}' in vhost '{vhost}': received {} but current is {}",
-                first.argument,
-                plan.queue,
-                quoted(&first.received),
-                quoted(&first.current)
-            ),
-        }));
+    if let Some(first) = diffs.into_iter().next() {
+        return Err(StepError::Refused(Refused::Conflict(first, None)));
     }
     Ok(QueueObservation {
         name: plan.queue.clone(),
@@ -238,26 +240,27 @@ async fn observe_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result
     })
 }
 
-fn quoted(v: &Option<String>) -> String {
-    v.as_ref().map_or_else(|| "none".to_owned(), |v| format!("'{v}'"))
-}
-
 fn management_step_error(e: ManagementError) -> StepError {
     match e {
         ManagementError::Unreachable { .. } => StepError::Unreachable(e.to_string()),
-        ManagementError::Rejected { status, .. } => StepError::Refused(Refusal {
-            code: if matches!(status, 401 | 403) { ACCESS_REFUSED } else { 0 },
-            text: e.to_string(),
-        }),
+        refused => StepError::Refused(Refused::Management(refused)),
+    }
+}
+
+/// A broker policy the management API would not read or write.
+pub fn policy_failure(e: ManagementError) -> Check {
+    match e {
+        ManagementError::Unreachable { .. } => Check::unknown(Reason::BrokerUnreachable, e.to_string()),
+        ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
+        ManagementError::InvalidCa(_) => Check::failed(Reason::InvalidBrokerUri, e.to_string()),
+        ManagementError::Rejected { .. } | ManagementError::UnexpectedBody { .. } => {
+            Check::failed(Reason::PolicyRejected, e.to_string())
+        }
     }
 }
 
 async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check, Option<String>) {
-    let failed = |e: ManagementError| match e {
-        ManagementError::Unreachable { .. } => Check::unknown(Reason::BrokerUnreachable, e.to_string()),
-        ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
-        ManagementError::Rejected { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
-    };
+    let failed = policy_failure;
     // The list is let go before the write, so recording our write need not copy it.
     let decision = match broker.management.policies(vhost).await {
         Ok(existing) => settings::policy_decision(plan, &existing),
@@ -334,7 +337,9 @@ async fn apply_bindings(plan: &QueuePlan, broker: &Broker, previous: &[Binding])
             .await;
         match unbound.map_err(StepError::from) {
             // The exchange is gone, and the binding with it.
-            Ok(()) | Err(StepError::Refused(Refusal { code: NOT_FOUND, .. })) => applied.retain(|a| a != b),
+            Ok(()) | Err(StepError::Refused(Refused::Broker(Refusal { code: NOT_FOUND, .. }))) => {
+                applied.retain(|a| a != b)
+            }
             Err(other) => return (applied, Some(other)),
         }
     }
@@ -387,24 +392,27 @@ fn settings_list(plan: &QueuePlan) -> String {
     parts.join(", ")
 }
 
-fn refused_check(r: &Refusal, what: &str) -> Check {
-    match r.code {
-        PRECONDITION_FAILED => match r.inequivalence() {
-            Some(i) => Check::failed(
-                Reason::ArgumentsConflict,
-                format!("{what}: {i}; queueguard never deletes or re-creates an existing entity ({r})"),
-            ),
-            None => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
-        },
-        ACCESS_REFUSED => {
+fn refused_check(r: &Refused, what: &str) -> Check {
+    let never = "queueguard never deletes or re-creates an existing entity";
+    match r {
+        Refused::Conflict(i, Some(r)) => {
+            Check::failed(Reason::ArgumentsConflict, format!("{what}: {i}; {never} ({r})"))
+        }
+        Refused::Conflict(i, None) => Check::failed(Reason::ArgumentsConflict, format!("{what}: {i}; {never}")),
+        Refused::Broker(r) if r.code == ACCESS_REFUSED => {
             Check::failed(Reason::AccessRefused, format!("{what}: the broker user lacks permission ({r})"))
         }
-        _ => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
+        Refused::Broker(r) => Check::failed(Reason::BrokerRefused, format!("{what}: {r}")),
+        Refused::QueueMissing => Check::failed(Reason::QueueNotFound, format!("{what}: the queue is not there")),
+        Refused::Management(e @ ManagementError::Rejected { status: 401 | 403, .. }) => {
+            Check::failed(Reason::AccessRefused, format!("{what}: the broker user lacks permission ({e})"))
+        }
+        Refused::Management(e) => Check::failed(Reason::BrokerRefused, format!("{what}: {e}")),
     }
 }
 
-fn queue_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
-    if r.code == NOT_FOUND {
+fn queue_refusal(plan: &QueuePlan, vhost: &str, r: &Refused) -> Check {
+    if matches!(r, Refused::QueueMissing | Refused::Broker(Refusal { code: NOT_FOUND, .. })) {
         return Check::failed(
             Reason::QueueNotFound,
             format!(
@@ -422,8 +430,8 @@ fn queue_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
     check
 }
 
-fn binding_refusal(plan: &QueuePlan, vhost: &str, r: &Refusal) -> Check {
-    if r.code == NOT_FOUND {
+fn binding_refusal(plan: &QueuePlan, vhost: &str, r: &Refused) -> Check {
+    if let Refused::Broker(r @ Refusal { code: NOT_FOUND, .. }) = r {
         return Check::failed(
             Reason::ExchangeNotFound,
             format!(

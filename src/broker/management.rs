@@ -23,6 +23,12 @@ pub enum ManagementError {
     Unreachable { endpoint: String, detail: String },
     #[error("management API refused {what}: HTTP {status}: {reason}")]
     Rejected { what: String, status: u16, reason: String },
+    /// The Secret's `caCert` is not a PEM certificate.
+    #[error("the CA certificate (caCert) cannot be used: {0}")]
+    InvalidCa(String),
+    /// A request answered 200 with a body that is not what the API documents.
+    #[error("management API answered {what} with an unexpected body: {detail}")]
+    UnexpectedBody { what: String, detail: String },
 }
 
 /// A queue as the management API reports it. Counters are absent until the broker has emitted
@@ -193,11 +199,8 @@ impl ManagementClient {
         crate::tls::install_crypto_provider();
         let mut builder = reqwest::Client::builder().connect_timeout(TIMEOUT);
         if let Some(pem) = ca_cert {
-            let cert = reqwest::Certificate::from_pem(pem.as_bytes()).map_err(|e| ManagementError::Rejected {
-                what: "the CA certificate".into(),
-                status: 0,
-                reason: e.to_string(),
-            })?;
+            let cert = reqwest::Certificate::from_pem(pem.as_bytes())
+                .map_err(|e| ManagementError::InvalidCa(e.to_string()))?;
             builder = builder.tls_certs_merge([cert]);
         }
         let http = builder.build().map_err(|e| ManagementError::Unreachable {
@@ -420,11 +423,7 @@ impl ManagementClient {
 
 /// A GET answered 200 with a body that is not what the API documents.
 fn unexpected_answer(path: &[&str], e: &serde_json::Error) -> ManagementError {
-    ManagementError::Rejected {
-        what: format!("GET {}", describe(path)),
-        status: 200,
-        reason: format!("unexpected answer: {e}"),
-    }
+    ManagementError::UnexpectedBody { what: format!("GET {}", describe(path)), detail: e.to_string() }
 }
 
 fn describe(path: &[&str]) -> String {

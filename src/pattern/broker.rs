@@ -58,9 +58,5 @@ pub async fn remove_policy(plan: &PatternPlan, broker: &Broker) -> Result<(), Ma
 }
 
 fn failed(e: ManagementError) -> Check {
-    match e {
-        ManagementError::Unreachable { .. } => Check::unknown(Reason::BrokerUnreachable, e.to_string()),
-        ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
-        ManagementError::Rejected { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
-    }
+    crate::converge::policy_failure(e)
 }
