@@ -42,33 +42,51 @@ pub enum CertSource {
     SelfSigned(SelfSigned),
 }
 
+/// Why the webhook cannot serve, or cannot renew its certificate.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    #[error("{path}: {source}")]
+    ReadCertificate { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    SelfSigned(#[from] super::certs::CertError),
+    #[error("the {what} is not usable PEM: {detail}")]
+    InvalidPem { what: &'static str, detail: String },
+    #[error("TLS configuration: {0}")]
+    Tls(#[from] rustls::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+}
+
 const RELOAD_EVERY: Duration = Duration::from_secs(3600);
 /// Reading a Deployment's labels must not hold pod creation up for long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl CertSource {
-    async fn load(&self, client: &Client) -> Result<(String, String), String> {
+    async fn load(&self, client: &Client) -> Result<(String, String), WebhookError> {
         match self {
             Self::Dir(dir) => {
                 let read = |f: &str| {
-                    std::fs::read_to_string(dir.join(f)).map_err(|e| format!("{}: {e}", dir.join(f).display()))
+                    let path = dir.join(f);
+                    std::fs::read_to_string(&path).map_err(|source| WebhookError::ReadCertificate { path, source })
                 };
                 Ok((read("tls.crt")?, read("tls.key")?))
             }
             Self::SelfSigned(s) => {
-                let WebhookTls { cert_pem, key_pem, .. } = s.ensure(client).await.map_err(|e| e.to_string())?;
+                let WebhookTls { cert_pem, key_pem, .. } = s.ensure(client).await?;
                 Ok((cert_pem, key_pem))
             }
         }
     }
 }
 
-pub fn certified_key(cert_pem: &str, key_pem: &str) -> Result<CertifiedKey, String> {
+pub fn certified_key(cert_pem: &str, key_pem: &str) -> Result<CertifiedKey, WebhookError> {
+    let invalid =
+        |what| move |e: rustls::pki_types::pem::Error| WebhookError::InvalidPem { what, detail: e.to_string() };
     let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("certificate: {e}"))?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| format!("private key: {e}"))?;
-    CertifiedKey::from_der(chain, key, &rustls::crypto::ring::default_provider()).map_err(|e| e.to_string())
+        .map_err(invalid("certificate"))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(invalid("private key"))?;
+    Ok(CertifiedKey::from_der(chain, key, &rustls::crypto::ring::default_provider())?)
 }
 
 /// Hands out the current certificate; swapped in place on renewal.
@@ -160,7 +178,7 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 impl Webhook {
     /// Serves until the process ends. Fails only when the first certificate cannot be had or
     /// the address cannot be bound.
-    pub async fn serve(self, client: Client, policies: Store<QueuePolicy>) -> Result<(), String> {
+    pub async fn serve(self, client: Client, policies: Store<QueuePolicy>) -> Result<(), WebhookError> {
         serve(self.addr, self.certs, self.timeouts, client, policies).await
     }
 }
@@ -171,7 +189,7 @@ async fn serve(
     timeouts: Timeouts,
     client: Client,
     policies: Store<QueuePolicy>,
-) -> Result<(), String> {
+) -> Result<(), WebhookError> {
     let (cert, key) = source.load(&client).await?;
     let current = Arc::new(Current(RwLock::new(Arc::new(certified_key(&cert, &key)?))));
     let reload = current.clone();
@@ -188,12 +206,11 @@ async fn serve(
         }
     });
     let config = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_cert_resolver(current);
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("{addr}: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| WebhookError::Bind { addr, source })?;
     tracing::info!(%addr, "serving the admission webhook");
     let app = router(client, policies);
     match accept_loop(
