@@ -485,7 +485,8 @@ async fn look(
             None => findings::Memory::default(),
         }
     };
-    let seen = match findings::observe::observe(plan, broker, tracker).await {
+    let queues = findings::observe::Queues { queue: &plan.queue, dead_letter_queue: &plan.dead_letter_queue };
+    let seen = match findings::observe::observe(queues, broker, tracker).await {
         Ok(seen) => seen,
         Err(why) => {
             tracing::debug!(%why, "could not look at the queue's consumers");

@@ -4,31 +4,48 @@
 
 use super::{ConsumerView, Observation};
 use crate::{
-    broker::{Broker, management::QueueInfo},
+    broker::{
+        Broker,
+        management::{ManagementError, QueueInfo},
+    },
     consumers::{ConsumerTracker, QueueKey, tracker::now_ms},
-    plan::QueuePlan,
 };
 use k8s_openapi::jiff::{Timestamp, civil::DateTime, tz::TimeZone};
 use lapin::{ExchangeKind, options::ExchangeDeclareOptions, types::FieldTable};
 use std::time::Instant;
 
-/// Looks at the queue; Err says why it could not.
+/// Why the queue could not be looked at.
+#[derive(Debug, thiserror::Error)]
+pub enum LookError {
+    #[error(transparent)]
+    Management(#[from] ManagementError),
+    #[error("queue '{0}' not found")]
+    QueueMissing(String),
+}
+
+/// The queue and its dead-letter queue, by name.
+#[derive(Debug, Clone, Copy)]
+pub struct Queues<'a> {
+    pub queue: &'a str,
+    pub dead_letter_queue: &'a str,
+}
+
+/// Looks at the queue.
 pub async fn observe(
-    plan: &QueuePlan,
+    queues: Queues<'_>,
     broker: &Broker,
     tracker: Option<&ConsumerTracker>,
-) -> Result<Observation, String> {
+) -> Result<Observation, LookError> {
     let vhost = broker.vhost().to_owned();
     let queue: QueueInfo = broker
         .management
-        .queue(&vhost, &plan.queue)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("queue '{}' not found", plan.queue))?;
-    let dead_letter = broker.management.queue(&vhost, &plan.dead_letter_queue).await.ok().flatten();
+        .queue(&vhost, queues.queue)
+        .await?
+        .ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;
+    let dead_letter = broker.management.queue(&vhost, queues.dead_letter_queue).await.ok().flatten();
     let consumers = match tracker {
         Some(t) => t
-            .consumers_on(&QueueKey::new(&vhost, &plan.queue))
+            .consumers_on(&QueueKey::new(&vhost, queues.queue))
             .into_iter()
             .map(|c| ConsumerView {
                 peer: c.peer_host.clone().unwrap_or_else(|| c.channel.clone()),
@@ -40,10 +57,9 @@ pub async fn observe(
         None => broker
             .management
             .consumers_in(&vhost)
-            .await
-            .map_err(|e| e.to_string())?
+            .await?
             .into_iter()
-            .filter(|c| c.queue.name == plan.queue)
+            .filter(|c| c.queue.name == queues.queue)
             .map(|c| ConsumerView {
                 peer: c.channel_details.peer_host.clone().unwrap_or_else(|| c.channel_details.name.clone()),
                 tag: c.consumer_tag,
