@@ -226,9 +226,7 @@ impl RunArgs {
         let namespace = self.own_namespace("--leader-election")?;
         let identity = match &self.pod_name {
             Some(name) => name.clone(),
-            None => std::env::var("HOSTNAME").map_err(|_| {
-                Error::Startup("--leader-election needs this replica's name: set POD_NAME or --pod-name".into())
-            })?,
+            None => std::env::var("HOSTNAME").map_err(|_| Error::MissingPodName)?,
         };
         Ok(Some(LeaseConfig::new(self.lease_name.clone(), namespace, identity)))
     }
@@ -244,19 +242,13 @@ impl RunArgs {
                 service: self.webhook_service.clone().unwrap_or_default(),
                 webhook_config: self.webhook_config.clone().unwrap_or_default(),
             }),
-            (None, None) => {
-                return Err(Error::Startup(
-                    "--webhook-addr needs a certificate: --webhook-cert-dir, or --webhook-secret with --webhook-service and --webhook-config".into(),
-                ));
-            }
+            (None, None) => return Err(Error::MissingWebhookCertificate),
         };
         Ok(Some(Webhook { addr, certs, timeouts: Default::default() }))
     }
 
-    fn own_namespace(&self, flag: &str) -> Result<String, Error> {
-        self.pod_namespace.clone().filter(|ns| !ns.is_empty()).ok_or_else(|| {
-            Error::Startup(format!("{flag} needs the operator's namespace: set POD_NAMESPACE or --pod-namespace"))
-        })
+    fn own_namespace(&self, flag: &'static str) -> Result<String, Error> {
+        self.pod_namespace.clone().filter(|ns| !ns.is_empty()).ok_or(Error::MissingNamespace { flag })
     }
 }
 

@@ -77,8 +77,16 @@ pub enum Error {
     LeadershipLost,
     #[error("the gate's watches (QueuePolicies, Deployments, Pods, PodDisruptionBudgets) have not synced yet")]
     NotSynced,
-    #[error("{0}")]
-    Startup(String),
+    #[error("--leader-election needs this replica's name: set POD_NAME or --pod-name")]
+    MissingPodName,
+    #[error("{flag} needs the operator's namespace: set POD_NAMESPACE or --pod-namespace")]
+    MissingNamespace { flag: &'static str },
+    #[error(
+        "--webhook-addr needs a certificate: --webhook-cert-dir, or --webhook-secret with --webhook-service and --webhook-config"
+    )]
+    MissingWebhookCertificate,
+    #[error("--http-addr {addr}: {source}")]
+    HttpBind { addr: std::net::SocketAddr, source: std::io::Error },
 }
 
 impl Error {
@@ -92,7 +100,10 @@ impl Error {
             Self::MissingUid => "missing_uid",
             Self::LeadershipLost => "leadership_lost",
             Self::NotSynced => "not_synced",
-            Self::Startup(_) => "startup",
+            Self::MissingPodName
+            | Self::MissingNamespace { .. }
+            | Self::MissingWebhookCertificate
+            | Self::HttpBind { .. } => "startup",
         }
     }
 }
@@ -196,7 +207,7 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
         Arc::new(Endpoints { metrics: ctx.metrics.clone(), health: health.clone(), brokers: ctx.brokers.clone() });
     let http = tokio::net::TcpListener::bind(args.http_addr)
         .await
-        .map_err(|e| Error::Startup(format!("--http-addr {}: {e}", args.http_addr)))?;
+        .map_err(|source| Error::HttpBind { addr: args.http_addr, source })?;
     tokio::spawn(async move {
         if let Err(e) = crate::http::serve(http, endpoints).await {
             tracing::error!(error = %e, "HTTP endpoints stopped");
