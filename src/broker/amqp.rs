@@ -44,22 +44,33 @@ pub enum AmqpError {
     Refused(Refusal),
 }
 
-/// Reconnect delays: 0.5 s doubling up to 30 s.
-#[derive(Debug, Default, Clone, PartialEq)]
+/// Reconnect delays: 0.5 s doubling up to 30 s, for as long as it takes.
+pub fn reconnect_delays() -> backon::ExponentialBackoff {
+    const MAX: Duration = Duration::from_secs(30);
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(MAX)
+        .without_max_times()
+        .build()
+}
+
+/// When a broker that could not be reached may be tried again.
+#[derive(Debug)]
 pub struct Backoff {
-    failures: u32,
+    delays: backon::ExponentialBackoff,
     retry_at: Option<Instant>,
 }
 
-impl Backoff {
-    pub fn delay_after(failures: u32) -> Duration {
-        let ms = 500u64.saturating_mul(1 << failures.saturating_sub(1).min(10));
-        Duration::from_millis(ms.min(30_000))
+impl Default for Backoff {
+    fn default() -> Self {
+        Self { delays: reconnect_delays(), retry_at: None }
     }
+}
 
+impl Backoff {
     fn failed(&mut self, now: Instant) -> Duration {
-        self.failures += 1;
-        let delay = Self::delay_after(self.failures);
+        let delay = self.delays.next().unwrap_or(Duration::from_secs(30));
         self.retry_at = Some(now + delay);
         delay
     }
@@ -279,7 +290,7 @@ mod tests {
 
     #[test]
     fn backoff_doubles_up_to_thirty_seconds() {
-        let delays: Vec<u64> = (1..=9).map(|n| Backoff::delay_after(n).as_millis() as u64).collect();
+        let delays: Vec<u64> = reconnect_delays().take(9).map(|d| d.as_millis() as u64).collect();
         assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000]);
     }
 

@@ -464,15 +464,18 @@ async fn nodes_loop(tracker: Weak<ConsumerTracker>) {
 }
 
 async fn events_loop(tracker: Weak<ConsumerTracker>) {
-    let mut failures = 0u32;
+    let mut delays = crate::broker::amqp::reconnect_delays();
     loop {
         let outcome = subscribe(&tracker).await;
         if tracker.strong_count() == 0 {
             return;
         }
         let wait = match outcome {
-            // The consumer stream ended: the connection went away.
-            Ok(()) => Duration::from_millis(500),
+            // The consumer stream ended: the connection went away after a subscription.
+            Ok(()) => {
+                delays = crate::broker::amqp::reconnect_delays();
+                Duration::from_millis(500)
+            }
             Err(SubscribeError::PluginMissing(why)) => {
                 if let Some(t) = tracker.upgrade() {
                     tracing::warn!(broker = %t.broker.uri.display(), %why, "no broker events; polling the management API");
@@ -481,11 +484,10 @@ async fn events_loop(tracker: Weak<ConsumerTracker>) {
                 PLUGIN_RETRY
             }
             Err(SubscribeError::Connection(why)) => {
-                failures += 1;
                 if let Some(t) = tracker.upgrade() {
                     t.set_events(Err(why));
                 }
-                crate::broker::amqp::Backoff::delay_after(failures)
+                delays.next().unwrap_or(Duration::from_secs(30))
             }
         };
         tokio::time::sleep(wait).await;
