@@ -3,6 +3,7 @@
 //! Serde defaults here mirror the schema defaults the API server applies, so a policy read from a
 //! file in local mode means the same as one read from the cluster.
 
+use crate::duration::DurationText;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
@@ -120,9 +121,8 @@ pub struct QueueSpec {
     /// queue once it has had no consumers and no declares for this long. At least 1m. Messages of
     /// an expired queue are dropped, not dead-lettered.
     #[serde(default = "default_expires")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) >= duration('1m')").message("expires must be at least 1m"))]
-    pub expires: String,
+    pub expires: DurationText,
     /// Whether the operator's periodic re-declares renew the expiry lease, so the queue lives as
     /// long as this QueuePolicy. When false the operator observes through the management API only
     /// and an unused queue expires on schedule.
@@ -130,8 +130,7 @@ pub struct QueueSpec {
     pub keep_alive: bool,
     /// Per-queue message TTL (x-message-ttl); expired messages are dead-lettered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
-    pub message_ttl: Option<String>,
+    pub message_ttl: Option<DurationText>,
     /// Maximum number of ready messages (x-max-length).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
@@ -150,7 +149,7 @@ pub struct QueueSpec {
     pub bindings: Vec<Binding>,
 }
 
-fn default_expires() -> String {
+fn default_expires() -> DurationText {
     "30m".into()
 }
 
@@ -304,8 +303,7 @@ pub struct GateSpec {
     pub failure_policy: FailurePolicy,
     /// How long a new pod may wait for its consumer before the rollout counts as stalled.
     #[serde(default = "default_attach_timeout")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
-    pub attach_timeout: String,
+    pub attach_timeout: DurationText,
     /// Patch an unsafe Deployment strategy to a safe RollingUpdate (maxUnavailable 0, maxSurge
     /// at least 1); when false, only report it.
     #[serde(default = "default_true")]
@@ -327,7 +325,7 @@ impl Default for GateSpec {
     }
 }
 
-fn default_attach_timeout() -> String {
+fn default_attach_timeout() -> DurationText {
     "10m".into()
 }
 
@@ -358,8 +356,7 @@ pub struct FindingsSpec {
     /// How long unacknowledged messages may sit at the consumers' prefetch limit with no ack
     /// before StalledConsumers is reported.
     #[serde(default = "default_stall_after")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
-    pub stall_after: String,
+    pub stall_after: DurationText,
 }
 
 impl Default for FindingsSpec {
@@ -368,7 +365,7 @@ impl Default for FindingsSpec {
     }
 }
 
-fn default_stall_after() -> String {
+fn default_stall_after() -> DurationText {
     "3m".into()
 }
 

@@ -8,6 +8,39 @@ use std::{fmt, time::Duration};
 /// The pattern the CRD puts on every duration field.
 pub const PATTERN: &str = "^([0-9]+(ms|s|m|h))+$";
 
+/// A duration field as a resource gives it: the text, kept as written so that a bad value
+/// reaches the plan and is reported as a field error (a type that refused it would make the
+/// watch drop the whole object), with [`PATTERN`] in its schema.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct DurationText(pub String);
+
+impl DurationText {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for DurationText {
+    fn from(text: &str) -> Self {
+        Self(text.to_owned())
+    }
+}
+
+impl schemars::JsonSchema for DurationText {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Duration".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "type": "string", "pattern": PATTERN, "maxLength": 32 })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid duration {input:?}: {why} (use whole numbers with ms, s, m or h, as in 90s, 30m, 1h30m)")]
 pub struct DurationError {

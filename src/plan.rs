@@ -6,7 +6,7 @@
 
 use crate::{
     crd::{Binding, ConsumersSpec, DeletionPolicy, Overflow, QueuePolicy, QueueType, SettingsMode},
-    duration,
+    duration::{self, DurationText},
     gate::GatePlan,
 };
 use std::{fmt, time::Duration};
@@ -102,7 +102,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
     if expires.is_some_and(|e| e.as_millis() > u128::from(MAX_EXPIRY_MS)) {
         errors.add("spec.queue.expires", "must be at most 1193h (the broker's limit of 2^32-1 ms)");
     }
-    let message_ttl = q.message_ttl.as_deref().and_then(|t| errors.duration("spec.queue.messageTtl", t));
+    let message_ttl = q.message_ttl.as_ref().and_then(|t| errors.duration("spec.queue.messageTtl", t));
     if message_ttl.is_some_and(|t| t.as_millis() > u128::from(MAX_EXPIRY_MS)) {
         errors.add("spec.queue.messageTtl", "must be at most 1193h (the broker's limit of 2^32-1 ms)");
     }
@@ -231,8 +231,8 @@ impl Errors {
         self.0.push(FieldError { field: field.into(), message: message.into() });
     }
 
-    pub(crate) fn duration(&mut self, field: &str, value: &str) -> Option<Duration> {
-        duration::parse(value).map_err(|e| self.add(field, e.to_string())).ok()
+    pub(crate) fn duration(&mut self, field: &str, value: &DurationText) -> Option<Duration> {
+        duration::parse(value.as_str()).map_err(|e| self.add(field, e.to_string())).ok()
     }
 
     pub(crate) fn finish(self) -> Result<(), Vec<FieldError>> {

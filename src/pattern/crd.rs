@@ -1,7 +1,7 @@
 //! The `QueuePattern` resource: a broker policy for queues the operator does not declare itself
 //! (RPC reply queues, per-instance queues), and a watch on the set of queues it matches.
 
-use crate::crd::BrokerSpec;
+use crate::{crd::BrokerSpec, duration::DurationText};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
@@ -49,8 +49,7 @@ pub struct QueuePatternSpec {
     /// Inactivity expiry (x-expires) for every matching queue: a queue nobody uses for this long is
     /// deleted, so abandoned reply queues cannot pile up. At least 1m.
     #[serde(default = "default_expires")]
-    #[schemars(regex(pattern = r"^([0-9]+(ms|s|m|h))+$"), length(max = 32))]
-    pub expires: String,
+    pub expires: DurationText,
     /// Maximum ready messages per matching queue (max-length).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
@@ -79,7 +78,7 @@ pub fn crd_yaml() -> String {
     crate::crd::generated_yaml(&QueuePattern::crd())
 }
 
-fn default_expires() -> String {
+fn default_expires() -> DurationText {
     "10m".into()
 }
 
