@@ -218,6 +218,17 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// The operator's configuration, or the flag mistake that keeps it from starting.
+    pub fn config(&self) -> Result<controller::RunConfig, Error> {
+        Ok(controller::RunConfig {
+            namespace: self.namespace.clone(),
+            connection_name: self.connection_name.clone(),
+            http_addr: self.http_addr,
+            lease: self.lease()?,
+            webhook: self.webhook()?,
+        })
+    }
+
     /// The leader Lease, when leader election is on.
     pub fn lease(&self) -> Result<Option<LeaseConfig>, Error> {
         if !self.leader_election {
@@ -289,7 +300,8 @@ pub fn main() -> ExitCode {
             Command::Consumers(args) => consumers(args).await,
             Command::Demo(args) => demo(args).await,
             Command::Check(args) => check(args),
-            Command::Run(args) => match controller::run(args).await {
+            // Flag mistakes first: they need no cluster to be reported.
+            Command::Run(args) => match async { controller::run(args.config()?).await }.await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "controller stopped");

@@ -156,7 +156,7 @@ async fn rolling_restarts_on_a_real_cluster_keep_the_queue_and_every_message() {
     let argv =
         ["queueguard", "run", "--namespace", &ns, "--connection-name", "queueguard-e2e", "--http-addr", "127.0.0.1:0"];
     let Command::Run(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!("parsed as run") };
-    let operator = tokio::spawn(controller::run(args));
+    let operator = tokio::spawn(controller::run(args.config().unwrap()));
 
     wait_for("the policy to be Ready with 2 consumers attached", Duration::from_secs(300), || async {
         policies.get("orders").await.ok().and_then(|p| p.status).is_some_and(|s| {

@@ -9,7 +9,6 @@ mod secrets;
 use self::gate::Gate;
 use crate::{
     broker::BrokerPool,
-    cli::RunArgs,
     consumers::QueueKey,
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
@@ -195,26 +194,37 @@ async fn sweep_brokers(pool: std::sync::Weak<BrokerPool>) {
     }
 }
 
+/// What `queueguard run` starts, as the command line gives it.
+pub struct RunConfig {
+    /// Watch only this namespace (default: all namespaces).
+    pub namespace: Option<String>,
+    /// Connection name the broker shows for the operator's AMQP connections.
+    pub connection_name: String,
+    /// The probes and `/metrics`.
+    pub http_addr: std::net::SocketAddr,
+    /// The leader Lease; None runs the controller without leader election.
+    pub lease: Option<crate::leader::LeaseConfig>,
+    pub webhook: Option<crate::webhook::server::Webhook>,
+}
+
 /// Runs the operator until SIGTERM or Ctrl-C: the HTTP endpoints and the webhook on every
 /// replica, the controller on the leader only.
-pub async fn run(args: RunArgs) -> Result<(), Error> {
-    // Flag mistakes first: they need no cluster to be reported.
-    let (lease, webhook) = (args.lease()?, args.webhook()?);
+pub async fn run(config: RunConfig) -> Result<(), Error> {
+    let RunConfig { namespace, connection_name, http_addr, lease, webhook } = config;
     let client = Client::try_default().await?;
-    let ctx = Arc::new(Context::new(client.clone(), &args.connection_name));
-    let health = Arc::new(Health::new(args.leader_election));
+    let ctx = Arc::new(Context::new(client.clone(), &connection_name));
+    let health = Arc::new(Health::new(lease.is_some()));
     let endpoints =
         Arc::new(Endpoints { metrics: ctx.metrics.clone(), health: health.clone(), brokers: ctx.brokers.clone() });
-    let http = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .map_err(|source| Error::HttpBind { addr: args.http_addr, source })?;
+    let http =
+        tokio::net::TcpListener::bind(http_addr).await.map_err(|source| Error::HttpBind { addr: http_addr, source })?;
     tokio::spawn(async move {
         if let Err(e) = crate::http::serve(http, endpoints).await {
             tracing::error!(error = %e, "HTTP endpoints stopped");
         }
     });
     if let Some(webhook) = webhook {
-        start_webhook(webhook, &client, args.namespace.as_deref());
+        start_webhook(webhook, &client, namespace.as_deref());
     }
     let elector = match lease {
         Some(cfg) => {
@@ -228,7 +238,7 @@ pub async fn run(args: RunArgs) -> Result<(), Error> {
     };
     health.set_leading(true);
     ctx.metrics.leading(true);
-    let controller = run_controller(&args, ctx, health);
+    let controller = run_controller(namespace.as_deref(), ctx, health);
     let outcome = match &elector {
         Some((e, since)) => tokio::select! {
             () = controller => Ok(()),
@@ -274,9 +284,9 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_controller(args: &RunArgs, ctx: Arc<Context>, health: Arc<Health>) {
+async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<Health>) {
     let client = ctx.client.clone();
-    let ns = args.namespace.as_deref();
+    let ns = namespace;
     let consumer_changes = ctx.take_trigger_receiver().expect("taken once");
     tracing::info!(namespace = ns.unwrap_or("*"), "starting controller");
     // The gate's index is fed by the watches themselves: no LISTs per reconcile.
