@@ -3,6 +3,7 @@
 
 pub mod broker;
 pub mod crd;
+pub mod status;
 
 use crate::{
     duration,
