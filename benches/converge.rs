@@ -220,16 +220,18 @@ async fn main() {
         println!("  not ready ({count}): {reason}");
     }
     let cold_methods = methods.load(Ordering::Relaxed);
-    let cold_mgmt = ctx.brokers.management_requests();
-    let connections = ctx.brokers.connections_opened();
+    // The trackers' snapshots count with the reconciles' requests.
+    let mgmt = || ctx.brokers.management_requests() + ctx.trackers.management_requests();
+    let cold_mgmt = mgmt();
+    let connections = ctx.brokers.connections_opened() + ctx.trackers.connections_opened();
     // The declarations and the event subscription each have a connection of their own: a
     // connection-level close caused by one policy's operation must not silence the events.
-    let open = |purpose: &str| ctx.brokers.connection_states().iter().filter(|(_, p, up)| *p == purpose && *up).count();
+    let open = |states: Vec<(String, bool)>| states.iter().filter(|(_, up)| *up).count();
     println!(
         "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s) opened, open now: {} for declarations, {} for events",
         operator.as_secs_f64(),
-        open("declarations"),
-        open("events")
+        open(ctx.brokers.connection_states()),
+        open(ctx.trackers.connection_states())
     );
 
     // Steady state: the same policies with the status the first pass wrote, as the operator's
@@ -244,7 +246,7 @@ async fn main() {
     let steady_failed = reconcile_all(&ctx, steady_objects).await;
     let steady = started.elapsed();
     let steady_methods = methods.load(Ordering::Relaxed) - cold_methods;
-    let steady_mgmt = ctx.brokers.management_requests() - cold_mgmt;
+    let steady_mgmt = mgmt() - cold_mgmt;
     let steady_kube = api.requests.load(Ordering::Relaxed) - kube_before;
     println!(
         "  operator steady state: {:.3}s, {steady_methods} AMQP methods, {steady_mgmt} management requests, {steady_kube} Kubernetes API requests, {steady_failed} failed",

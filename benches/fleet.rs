@@ -595,7 +595,8 @@ async fn main() {
 
     // Steady state: nothing changes; reconciles keep coming every 20 s (the findings' looks).
     let before = api.snapshot();
-    let mgmt_before = ctx.brokers.management_requests();
+    let mgmt = || ctx.brokers.management_requests() + ctx.trackers.management_requests();
+    let mgmt_before = mgmt();
     tokio::time::sleep(Duration::from_secs(steady_secs)).await;
     let steady = since(&before, &api.snapshot());
     let per_minute = steady.values().sum::<u64>() as f64 * 60.0 / steady_secs as f64;
@@ -604,7 +605,7 @@ async fn main() {
         .filter(|(k, _)| k.contains("pods") || k.contains("budgets") || k.contains("deployments"))
         .map(|(_, v)| v)
         .sum();
-    let mgmt_per_minute = (ctx.brokers.management_requests() - mgmt_before) as f64 * 60.0 / steady_secs as f64;
+    let mgmt_per_minute = (mgmt() - mgmt_before) as f64 * 60.0 / steady_secs as f64;
     println!(
         "  steady state over {steady_secs}s: {per_minute:.0} Kubernetes requests/min ({}), of which the gate's (pods, budgets, Deployments): {gate_steady}; management API {mgmt_per_minute:.0} requests/min",
         describe(&steady)

@@ -7,8 +7,8 @@
 
 use lapin::{Channel, Connection, ConnectionProperties, options::*, types::FieldTable};
 use queueguard::{
-    broker::{BrokerPool, uri::BrokerUri},
-    consumers::{Change, Consumer, ConsumerTracker},
+    broker::uri::BrokerUri,
+    consumers::{Change, Consumer, ConsumerTracker, TrackerPool},
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy},
     gate::{
         GatePlan,
@@ -137,7 +137,7 @@ async fn main() {
     let broker = env("QUEUEGUARD_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/%2F");
     let management = env("QUEUEGUARD_BENCH_MANAGEMENT", "http://127.0.0.1:15672");
     let uri = BrokerUri::parse(&broker, Some(&management)).expect("broker URI");
-    let pool = BrokerPool::new("queueguard-bench");
+    let pool = TrackerPool::new("queueguard-bench");
     let tracker = pool.tracker(&uri, None).expect("tracker");
     assert!(tracker.wait_synced("/", Duration::from_secs(15)).await, "the tracker syncs");
 

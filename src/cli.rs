@@ -348,7 +348,7 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
         }
     };
     let queue = QueueKey::new(args.vhost.clone().unwrap_or_else(|| uri.vhost().to_owned()), args.queue.clone());
-    let pool = BrokerPool::new("queueguard-consumers");
+    let pool = crate::consumers::TrackerPool::new("queueguard-consumers");
     let tracker = match pool.tracker(&uri, None) {
         Ok(t) => t,
         Err(e) => {

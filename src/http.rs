@@ -2,7 +2,7 @@
 //! answers) and `/readyz` (a standby waiting for the lease, or a leader whose watches have
 //! synced).
 
-use crate::{broker::BrokerPool, metrics::Metrics};
+use crate::{broker::BrokerPool, consumers::TrackerPool, metrics::Metrics};
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
 use std::sync::{
     Arc,
@@ -47,6 +47,7 @@ pub struct Endpoints {
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
     pub brokers: Arc<BrokerPool>,
+    pub trackers: Arc<TrackerPool>,
 }
 
 pub fn router(state: Arc<Endpoints>) -> Router {
@@ -64,7 +65,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<Endpoints>) -> 
 }
 
 async fn metrics(State(state): State<Arc<Endpoints>>) -> impl IntoResponse {
-    state.metrics.broker_connections(&state.brokers.connection_states());
+    state.metrics.broker_connections(&state.brokers.connection_states(), &state.trackers.connection_states());
     ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render())
 }
 

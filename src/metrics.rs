@@ -308,11 +308,14 @@ impl Metrics {
 
     /// The connections as they are now: one series per broker address and purpose
     /// (`declarations`, `events`); connections let go of lose theirs.
-    pub fn broker_connections(&self, states: &[(String, &'static str, bool)]) {
+    /// Each connection's state, by purpose: `declarations` and `events`.
+    pub fn broker_connections(&self, declarations: &[(String, bool)], events: &[(String, bool)]) {
         self.broker_up.clear();
-        for (broker, connection, up) in states {
-            let labels = BrokerLabels { broker: broker.clone(), connection };
-            self.broker_up.get_or_create(&labels).set((*up).into());
+        for (connection, states) in [("declarations", declarations), ("events", events)] {
+            for (broker, up) in states {
+                let labels = BrokerLabels { broker: broker.clone(), connection };
+                self.broker_up.get_or_create(&labels).set((*up).into());
+            }
         }
     }
 
@@ -393,8 +396,11 @@ mod tests {
         });
         m.observed(&labels(), &outcome);
         m.gate_opened(&labels(), Duration::from_millis(800));
-        m.broker_connections(&[("amqp://old:5672/%2F".into(), "declarations", false)]);
-        m.broker_connections(&[("amqp://rabbitmq:5672/%2F".into(), "declarations", true)]);
+        m.broker_connections(&[("amqp://old:5672/%2F".into(), false)], &[]);
+        m.broker_connections(
+            &[("amqp://rabbitmq:5672/%2F".into(), true)],
+            &[("amqp://rabbitmq:5672/%2F".into(), true)],
+        );
         m.leading(true);
         let text = m.render();
         for expected in [
@@ -404,6 +410,7 @@ mod tests {
             r#"queueguard_dead_letter_messages_ready{namespace="shop",policy="orders",queue="orders.dlq"} 7"#,
             r#"queueguard_gate_wait_seconds_bucket{le="1.0",namespace="shop",policy="orders"} 1"#,
             r#"queueguard_broker_connection_up{broker="amqp://rabbitmq:5672/%2F",connection="declarations"} 1"#,
+            r#"queueguard_broker_connection_up{broker="amqp://rabbitmq:5672/%2F",connection="events"} 1"#,
             "queueguard_leader 1",
         ] {
             assert!(text.contains(expected), "missing {expected} in\n{text}");

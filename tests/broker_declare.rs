@@ -11,6 +11,7 @@ use lapin::{
 };
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool},
+    consumers::TrackerPool,
     converge::{self, Cleanup, Mode},
     status::{Reason, Truth},
 };
@@ -476,7 +477,8 @@ async fn a_connection_closed_under_a_burst_of_converges_fails_none_of_them() {
     let quorum = plan_of(&policy(&victim, "{type: quorum}"));
     let broker = broker(&pool, &quorum);
     assert!(converge::converge(&quorum, &broker, &[], Mode::Declare).await.is_ready());
-    let tracker = pool.tracker(&broker.uri, None).unwrap();
+    let trackers = TrackerPool::new(&unique("burst-conn"));
+    let tracker = trackers.tracker(&broker.uri, None).unwrap();
     let events_live = eventually(Duration::from_secs(10), || async {
         tracker.tracking("/") == queueguard::consumers::Tracking::Events
     });
@@ -525,6 +527,7 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
     let everything = json!({"configure": ".*", "write": ".*", "read": ".*"});
     mgmt_put(&format!("permissions/%2F/{}", enc(&user)), everything).await;
     let pool = BrokerPool::new(unique("rotate-conn"));
+    let trackers = TrackerPool::new(&unique("rotate-conn"));
     let plan = plan_of(&policy(&unique("rotate"), "{}"));
     let mut counts = Vec::new();
     for round in 1..=20 {
@@ -535,7 +538,7 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
         let rotated_at = Instant::now();
         let broker = queueguard::reconcile::connect(&pool, &plan, &creds).unwrap();
         assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "round {round}");
-        let tracker = pool.tracker(&broker.uri, None).unwrap();
+        let tracker = trackers.tracker(&broker.uri, None).unwrap();
         let events = eventually(Duration::from_secs(10), || async {
             tracker.tracking("/") == queueguard::consumers::Tracking::Events
         });
@@ -543,14 +546,15 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
         drop((broker, tracker));
         // What the controller's sweep does a minute after the last reconcile on the old Secret.
         pool.sweep(rotated_at);
+        trackers.sweep(rotated_at);
         eventually(Duration::from_secs(5), || async { connections_of(&user) == 2 }).await;
         counts.push(connections_of(&user));
     }
     assert_eq!(counts, vec![2; 20], "connections of the rotated user after each rotation");
-    let states = pool.connection_states();
-    assert_eq!(states.len(), 2, "one declarations and one events series: {states:?}");
-    assert!(states.iter().all(|(_, _, up)| *up), "{states:?}");
-    drop(pool);
+    let states = [pool.connection_states(), trackers.connection_states()];
+    assert_eq!(states.each_ref().map(Vec::len), [1, 1], "one declarations and one events series: {states:?}");
+    assert!(states.iter().flatten().all(|(_, up)| *up), "{states:?}");
+    drop((pool, trackers));
     assert!(eventually(Duration::from_secs(5), || async { connections_of(&user) == 0 }).await);
     remove_all(&plan).await;
     mgmt_delete(&format!("users/{}", enc(&user))).await;

@@ -17,7 +17,7 @@ use lapin::{
 };
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool, uri::BrokerUri},
-    consumers::{Change, ConsumerTracker, QueueKey, Tracking, tracker::STATS_LAG},
+    consumers::{Change, ConsumerTracker, QueueKey, TrackerPool, Tracking, tracker::STATS_LAG},
     controller::Context,
     converge::{self, Mode},
     gate::index::ObjectKey,
@@ -76,13 +76,13 @@ impl Cluster {
         BrokerUri::parse_cluster(&c.uri, c.management_uri.as_deref(), c.addresses.as_deref()).unwrap()
     }
 
-    fn tracker(&self, pool: &BrokerPool) -> Arc<ConsumerTracker> {
+    fn tracker(&self, pool: &TrackerPool) -> Arc<ConsumerTracker> {
         pool.tracker(&self.uri(), None).unwrap()
     }
 
     /// A tracker whose events flow, and a new quorum queue.
-    async fn tracked_queue(&self, prefix: &str) -> (BrokerPool, Arc<ConsumerTracker>, String) {
-        let pool = BrokerPool::new(unique("cluster"));
+    async fn tracked_queue(&self, prefix: &str) -> (TrackerPool, Arc<ConsumerTracker>, String) {
+        let pool = TrackerPool::new(&unique("cluster"));
         let t = self.tracker(&pool);
         assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
         let queue = unique(prefix);
@@ -240,7 +240,7 @@ async fn killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_sec
     };
     let (client, mut api) = mock_client();
     let ctx = Arc::new(Context::new(client, &unique("cluster-gate")));
-    let t = ctx.brokers.tracker(&cluster.uri(), None).unwrap();
+    let t = ctx.trackers.tracker(&cluster.uri(), None).unwrap();
     assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
     let name = unique("gate-crash");
     cluster.quorum_queue(&name).await;
@@ -295,7 +295,8 @@ async fn killing_the_node_the_operator_uses_moves_it_to_the_next_and_it_keeps_re
     };
     let (first, outcome) = declare(unique("before-crash")).await;
     assert!(outcome.is_ready(), "{:?}", outcome.ready());
-    let t = cluster.tracker(&pool);
+    let trackers = TrackerPool::new(&unique("cluster"));
+    let t = cluster.tracker(&trackers);
     assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
 
     // qa is the first address: the declarations and the subscription both live there.

@@ -10,14 +10,14 @@ use lapin::{
     types::FieldTable,
 };
 use queueguard::{
-    broker::{BrokerPool, uri::BrokerUri},
-    consumers::{Change, ConsumerTracker, QueueKey, Tracking},
+    broker::uri::BrokerUri,
+    consumers::{Change, ConsumerTracker, QueueKey, TrackerPool, Tracking},
 };
 use serde_json::json;
 use std::{sync::Arc, time::Duration};
 
 fn tracker(uri: &str) -> Arc<ConsumerTracker> {
-    let pool = BrokerPool::new(unique("tracker"));
+    let pool = TrackerPool::new(&unique("tracker"));
     let uri = BrokerUri::parse(uri, Some(&management_base())).unwrap();
     pool.tracker(&uri, None).unwrap()
 }
@@ -157,7 +157,7 @@ async fn without_events_the_tracker_polls_and_says_so() {
         u.set_password(Some("pw-noevents")).unwrap();
         u.to_string()
     };
-    let pool = BrokerPool::new(unique("tracker"));
+    let pool = TrackerPool::new(&unique("tracker"));
     let t = pool.tracker(&BrokerUri::parse(&url, Some(&mgmt)).unwrap(), None).unwrap();
     let polling = eventually(Duration::from_secs(10), || async {
         matches!(t.tracking("/"), Tracking::Polling(why) if why.contains("may not read amq.rabbitmq.event"))
@@ -364,7 +364,7 @@ async fn a_vhost_the_user_cannot_read_leaves_the_others_tracked() {
         u.set_password(Some("pw-vh")).unwrap();
         u.to_string()
     };
-    let pool = BrokerPool::new(unique("tracker"));
+    let pool = TrackerPool::new(&unique("tracker"));
     let t = pool
         .tracker(&BrokerUri::parse(&with_user(&broker_uri()), Some(&with_user(&management_base()))).unwrap(), None)
         .unwrap();

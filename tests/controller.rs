@@ -313,7 +313,7 @@ async fn named(connection: &str) -> (lapin::Connection, lapin::Channel) {
 
 async fn live_tracker(ctx: &Context) -> Arc<queueguard::consumers::ConsumerTracker> {
     let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
-    let tracker = ctx.brokers.tracker(&uri, None).unwrap();
+    let tracker = ctx.trackers.tracker(&uri, None).unwrap();
     assert!(tracker.wait_synced("/", Duration::from_secs(10)).await);
     assert!(
         eventually(Duration::from_secs(5), || async {
@@ -578,7 +578,7 @@ async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warn
     run(p.clone(), ctx.clone()).await.unwrap();
     let (mut api, status) = server.await.unwrap();
     let uri = queueguard::broker::uri::BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap();
-    let tracker = ctx.brokers.tracker(&uri, None).unwrap();
+    let tracker = ctx.trackers.tracker(&uri, None).unwrap();
     assert!(
         eventually(Duration::from_secs(10), || async {
             tracker.tracking("/") == queueguard::consumers::Tracking::Events

@@ -26,9 +26,9 @@ use kube::{
 };
 use lapin::{BasicProperties, Connection, ConnectionProperties, options::*, types::FieldTable};
 use queueguard::{
-    broker::{BrokerPool, uri::BrokerUri},
+    broker::uri::BrokerUri,
     cli::{Cli, Command},
-    consumers::{Change, QueueKey},
+    consumers::{Change, QueueKey, TrackerPool},
     controller,
     crd::QueuePolicy,
 };
@@ -177,7 +177,7 @@ async fn rolling_restarts_on_a_real_cluster_keep_the_queue_and_every_message() {
 
     // Watch the broker for deletions of the queue while publishing and restarting.
     let uri = BrokerUri::parse(&env.broker, env.management.as_deref()).unwrap();
-    let pool = BrokerPool::new("queueguard-e2e-observer");
+    let pool = TrackerPool::new("queueguard-e2e-observer");
     let tracker = pool.tracker(&uri, None).unwrap();
     assert!(tracker.wait_synced("/", Duration::from_secs(30)).await);
     let key = QueueKey::new(uri.vhost(), queue);

@@ -3,8 +3,10 @@
 
 pub mod events;
 pub mod output;
+pub mod pool;
 pub mod registry;
 pub mod tracker;
 
+pub use pool::TrackerPool;
 pub use registry::{Change, Consumer, QueueKey};
 pub use tracker::{ConsumerTracker, Tracking};

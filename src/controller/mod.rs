@@ -9,7 +9,7 @@ mod secrets;
 use self::gate::Gate;
 use crate::{
     broker::BrokerPool,
-    consumers::QueueKey,
+    consumers::{QueueKey, TrackerPool},
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
     events::{self, EventSpec},
@@ -111,6 +111,8 @@ impl Error {
 pub struct Context {
     pub client: Client,
     pub brokers: Arc<BrokerPool>,
+    /// One consumer tracker per broker server.
+    pub trackers: Arc<TrackerPool>,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub limits: Limits,
@@ -157,10 +159,12 @@ impl Context {
         let metrics: Arc<Metrics> = Arc::default();
         let (gate, wake_rx) = Gate::start(client.clone(), recorder.clone(), metrics.clone(), limits);
         let brokers = Arc::new(BrokerPool::new(connection_name));
-        tokio::spawn(sweep_brokers(Arc::downgrade(&brokers)));
+        let trackers = Arc::new(TrackerPool::new(connection_name));
+        tokio::spawn(sweep_brokers(Arc::downgrade(&brokers), Arc::downgrade(&trackers)));
         Self {
             recorder,
             brokers,
+            trackers,
             metrics,
             client,
             limits,
@@ -181,15 +185,16 @@ impl Context {
     }
 }
 
-/// Lets go of broker endpoints no policy has asked for in a while (its Secret rotated, its
-/// policies gone): their connections close.
-async fn sweep_brokers(pool: std::sync::Weak<BrokerPool>) {
+/// Lets go of broker endpoints and trackers no policy has asked for in a while (its Secret
+/// rotated, its policies gone): their connections close.
+async fn sweep_brokers(brokers: std::sync::Weak<BrokerPool>, trackers: std::sync::Weak<TrackerPool>) {
     const EVERY: Duration = Duration::from_secs(10);
     loop {
         tokio::time::sleep(EVERY).await;
-        let Some(pool) = pool.upgrade() else { return };
+        let (Some(brokers), Some(trackers)) = (brokers.upgrade(), trackers.upgrade()) else { return };
         if let Some(since) = Instant::now().checked_sub(crate::broker::IDLE_ENDPOINT) {
-            pool.sweep(since);
+            brokers.sweep(since);
+            trackers.sweep(since);
         }
     }
 }
@@ -214,8 +219,12 @@ pub async fn run(config: RunConfig) -> Result<(), Error> {
     let client = Client::try_default().await?;
     let ctx = Arc::new(Context::new(client.clone(), &connection_name));
     let health = Arc::new(Health::new(lease.is_some()));
-    let endpoints =
-        Arc::new(Endpoints { metrics: ctx.metrics.clone(), health: health.clone(), brokers: ctx.brokers.clone() });
+    let endpoints = Arc::new(Endpoints {
+        metrics: ctx.metrics.clone(),
+        health: health.clone(),
+        brokers: ctx.brokers.clone(),
+        trackers: ctx.trackers.clone(),
+    });
     let http =
         tokio::net::TcpListener::bind(http_addr).await.map_err(|source| Error::HttpBind { addr: http_addr, source })?;
     tokio::spawn(async move {
@@ -424,7 +433,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
                 let queue = QueueKey::new(broker.vhost(), &plan.queue);
                 // Every managed queue is watched, gated or not, so a deletion behind the operator's
                 // back is repaired at once.
-                let tracker = ctx.brokers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
+                let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
                 if let Some(t) = &tracker {
                     t.watch_queue(queue.clone());
                 }

@@ -107,7 +107,8 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     let queues: Vec<String> =
         if s.queues == 1 { vec![base] } else { (0..s.queues).map(|i| format!("{base}.q{i}")).collect() };
     let keys: Vec<QueueKey> = queues.iter().map(|q| QueueKey::new(uri.vhost(), q)).collect();
-    let tracker = pool.tracker(uri, None).map_err(|e| e.to_string())?;
+    let trackers = crate::consumers::TrackerPool::new("queueguard-demo");
+    let tracker = trackers.tracker(uri, None).map_err(|e| e.to_string())?;
     if !tracker.wait_synced(uri.vhost(), Duration::from_secs(15)).await || !tracker.tracking(uri.vhost()).is_live() {
         return Err(format!("cannot see the broker's consumers: {}", tracker.tracking(uri.vhost())));
     }
