@@ -421,59 +421,16 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(policy);
     let previous = last_written(ctx, policy).or_else(|| policy.status.clone());
     let previous = previous.as_ref();
-    let generation = policy.metadata.generation;
-    let mut events = Vec::new();
     let planned = plan::plan(policy, ctx.limits);
     ctx.gate.upsert_policy(policy);
-    let (mut outcome, broker) = match &planned {
-        Err(errors) => (Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))), None),
-        Ok(plan) => match connect(policy, plan, ctx).await? {
-            Err(check) => (Outcome::blocked(check), None),
-            Ok(broker) => {
-                let queue = QueueKey::new(broker.vhost(), &plan.queue);
-                // Every managed queue is watched, gated or not, so a deletion behind the operator's
-                // back is repaired at once.
-                let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
-                if let Some(t) = &tracker {
-                    t.watch_queue(queue.clone());
-                }
-                let deleted = tracker.as_ref().is_some_and(|t| t.take_deleted(&queue));
-                let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| !deleted) {
-                    Some(outcome) => outcome,
-                    None => {
-                        let mode = reconcile::mode_for(plan, previous, generation);
-                        let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
-                        let outcome = converge::converge(plan, &broker, &bindings, mode).await;
-                        remember(ctx, &me, generation, &outcome);
-                        if deleted && mode == converge::Mode::Declare && outcome.queue.is_ok() {
-                            events.push(EventSpec {
-                                warning: true,
-                                reason: Reason::QueueRecreated.as_str().into(),
-                                action: "DeclareQueue",
-                                note: format!(
-                                    "queue '{}' was deleted behind the operator's back and has been declared again",
-                                    plan.queue
-                                ),
-                            });
-                        }
-                        outcome
-                    }
-                };
-                (outcome, Some((broker, tracker)))
-            }
-        },
+    let (mut outcome, reached, mut events) = match &planned {
+        Err(errors) => (Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))), None, vec![]),
+        Ok(plan) => broker_side(policy, plan, previous, ctx).await?,
     };
-
-    // The gate counts this policy's consumers on its queue, or knows why it cannot.
-    let binding = match (&planned, &broker) {
-        (Ok(plan), Some((b, Some(t)))) => Ok((t.clone(), QueueKey::new(b.vhost(), &plan.queue))),
-        (Ok(_), Some((_, None))) => Err("consumer tracking could not start".to_owned()),
-        _ => Err(outcome.ready().message),
-    };
-    ctx.gate.bind(&ObjectKey::of(policy), binding);
+    bind_gate(policy, &planned, reached.as_ref(), &outcome, ctx);
 
     let mut recheck = None;
-    if let (Ok(plan), Some((broker, tracker))) = (&planned, &broker)
+    if let (Ok(plan), Some((broker, tracker))) = (&planned, &reached)
         && outcome.queue.is_ok()
     {
         outcome.findings = look(ctx, &me, plan, broker, tracker.as_deref()).await;
@@ -486,17 +443,94 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         recheck = [recheck, pass.recheck_after].into_iter().flatten().min();
     }
 
-    ctx.metrics.observed(
-        &PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() },
-        &outcome,
-    );
-    let status = next_status(previous, &outcome, generation, Timestamp::now());
-    write_status(policy, previous, status, ctx).await?;
-    for event in &events {
-        publish_for(policy, ctx, event).await;
-    }
+    report(policy, previous, &outcome, &events, ctx).await?;
     let after = [reconcile::requeue_after(planned.as_ref().ok(), &outcome), recheck].into_iter().flatten().min();
     Ok(after.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// A broker endpoint reached, and its consumer tracker when that could start.
+type Reached = (Arc<crate::broker::Broker>, Option<Arc<crate::consumers::ConsumerTracker>>);
+
+/// The broker side of a pass: reach the broker, watch the queue, and converge, unless this
+/// generation's outcome is fresh and the queue was not deleted meanwhile (then it is declared
+/// again, with a Warning Event).
+async fn broker_side(
+    policy: &QueuePolicy,
+    plan: &QueuePlan,
+    previous: Option<&QueuePolicyStatus>,
+    ctx: &Context,
+) -> Result<(Outcome, Option<Reached>, Vec<EventSpec>), Error> {
+    let broker = match connect(policy, plan, ctx).await? {
+        Err(check) => return Ok((Outcome::blocked(check), None, vec![])),
+        Ok(broker) => broker,
+    };
+    let me = ObjectRef::from_obj(policy);
+    let generation = policy.metadata.generation;
+    let queue = QueueKey::new(broker.vhost(), &plan.queue);
+    // Every managed queue is watched, gated or not, so a deletion behind the operator's back is
+    // repaired at once.
+    let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
+    if let Some(t) = &tracker {
+        t.watch_queue(queue.clone());
+    }
+    let deleted = tracker.as_ref().is_some_and(|t| t.take_deleted(&queue));
+    let mut events = Vec::new();
+    let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| !deleted) {
+        Some(outcome) => outcome,
+        None => {
+            let mode = reconcile::mode_for(plan, previous, generation);
+            let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
+            let outcome = converge::converge(plan, &broker, &bindings, mode).await;
+            remember(ctx, &me, generation, &outcome);
+            if deleted && mode == converge::Mode::Declare && outcome.queue.is_ok() {
+                events.push(EventSpec {
+                    warning: true,
+                    reason: Reason::QueueRecreated.as_str().into(),
+                    action: "DeclareQueue",
+                    note: format!(
+                        "queue '{}' was deleted behind the operator's back and has been declared again",
+                        plan.queue
+                    ),
+                });
+            }
+            outcome
+        }
+    };
+    Ok((outcome, Some((broker, tracker)), events))
+}
+
+/// Tells the gate where this policy counts its consumers, or why it cannot.
+fn bind_gate(
+    policy: &QueuePolicy,
+    planned: &Result<QueuePlan, Vec<plan::FieldError>>,
+    reached: Option<&Reached>,
+    outcome: &Outcome,
+    ctx: &Context,
+) {
+    let binding = match (planned, reached) {
+        (Ok(plan), Some((b, Some(t)))) => Ok((t.clone(), QueueKey::new(b.vhost(), &plan.queue))),
+        (Ok(_), Some((_, None))) => Err("consumer tracking could not start".to_owned()),
+        _ => Err(outcome.ready().message),
+    };
+    ctx.gate.bind(&ObjectKey::of(policy), binding);
+}
+
+/// Metrics, status and Events for what this pass found.
+async fn report(
+    policy: &QueuePolicy,
+    previous: Option<&QueuePolicyStatus>,
+    outcome: &Outcome,
+    events: &[EventSpec],
+    ctx: &Context,
+) -> Result<(), Error> {
+    let labels = PolicyLabels { namespace: policy.namespace().unwrap_or_default(), policy: policy.name_any() };
+    ctx.metrics.observed(&labels, outcome);
+    let status = next_status(previous, outcome, policy.metadata.generation, Timestamp::now());
+    write_status(policy, previous, status, ctx).await?;
+    for event in events {
+        publish_for(policy, ctx, event).await;
+    }
+    Ok(())
 }
 
 /// Consumer hygiene, at most every [`FINDINGS_EVERY`]; None keeps the previous findings.
