@@ -3,7 +3,8 @@
 
 use crate::{
     crd::Finding,
-    status::{ConditionType, Truth},
+    pattern::crd::PatternFinding,
+    status::{ConditionType, Reason, Truth},
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
@@ -13,9 +14,45 @@ const MAX_NOTE: usize = 1024;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventSpec {
     pub warning: bool,
-    pub reason: String,
+    pub reason: EventReason,
     pub action: &'static str,
     pub note: String,
+}
+
+/// Every reason an Event of the operator's can give.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+pub enum EventReason {
+    /// A condition changed to this reason (QueuePolicy and QueuePattern conditions).
+    Condition(Reason),
+    /// A consumer hygiene finding came up.
+    Finding(Finding),
+    /// A QueuePattern finding came up.
+    PatternFinding(PatternFinding),
+    /// A finding that was seen is no longer.
+    FindingCleared,
+    /// A guarded Deployment's unsafe strategy was patched.
+    StrategyPatched,
+    /// A pod has waited longer than attachTimeout for its consumer.
+    RolloutStalled,
+    /// Another PodDisruptionBudget selects the pods, so the operator creates none.
+    DisruptionBudgetSkipped,
+    /// A QueuePattern's broker policy was removed with it.
+    PolicyRemoved,
+    /// On a pod: its gate opened, closed, or opened without a consumer (failurePolicy Open).
+    GateOpened,
+    GateClosed,
+    GateFailedOpen,
+}
+
+impl EventReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Condition(r) => r.as_str(),
+            Self::Finding(f) => f.as_str(),
+            Self::PatternFinding(f) => f.as_str(),
+            other => other.into(),
+        }
+    }
 }
 
 /// Events for conditions whose status or reason changed. Several conditions failing for the same
@@ -36,9 +73,11 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
         if before.is_some_and(|b| b.status == now.status && b.reason == now.reason) {
             continue;
         }
+        // The new conditions are this pass's own, so their reasons are always the operator's.
+        let Ok(reason) = now.reason.parse::<Reason>() else { continue };
         let event = EventSpec {
             warning: Truth::of(&now.status) != Truth::True,
-            reason: now.reason.clone(),
+            reason: EventReason::Condition(reason),
             action,
             note: truncate(&now.message),
         };
@@ -46,7 +85,7 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             events.push(event);
         }
     }
-    let findings: Vec<&str> = Finding::ALL.iter().map(|f| f.as_str()).collect();
+    let findings = Finding::ALL.map(|f| (f.as_str(), EventReason::Finding(f)));
     events.extend(finding_transitions(old, new, &findings, "CheckConsumers"));
     events
 }
@@ -57,22 +96,20 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
 pub fn finding_transitions(
     old: &[Condition],
     new: &[Condition],
-    kinds: &[&str],
+    kinds: &[(&str, EventReason)],
     action: &'static str,
 ) -> Vec<EventSpec> {
     let holds = |c: &Condition| Truth::of(&c.status) == Truth::True;
     let was_seen = |kind: &str| old.iter().any(|c| c.type_ == kind && holds(c));
     kinds
         .iter()
-        .filter_map(|&kind| {
+        .filter_map(|&(kind, reason)| {
             let now = new.iter().find(|c| c.type_ == kind)?;
             match (was_seen(kind), holds(now)) {
-                (false, true) => {
-                    Some(EventSpec { warning: true, reason: kind.into(), action, note: truncate(&now.message) })
-                }
+                (false, true) => Some(EventSpec { warning: true, reason, action, note: truncate(&now.message) }),
                 (true, false) => Some(EventSpec {
                     warning: false,
-                    reason: "FindingCleared".into(),
+                    reason: EventReason::FindingCleared,
                     action,
                     note: format!("{kind} no longer seen"),
                 }),
@@ -129,7 +166,7 @@ mod tests {
         let events = transitions(&conditions(&ready()), &conditions(&down));
         assert_eq!(events.len(), 1);
         assert!(events[0].warning);
-        assert_eq!(events[0].reason, "BrokerUnreachable");
+        assert_eq!(events[0].reason.as_str(), "BrokerUnreachable");
     }
 
     #[test]
@@ -137,5 +174,30 @@ mod tests {
         let long = "é".repeat(1000);
         let cut = truncate(&long);
         assert!(cut.len() <= MAX_NOTE && cut.ends_with("..."));
+    }
+
+    #[test]
+    fn event_reasons_read_as_the_words_kubectl_shows() {
+        let words: Vec<&str> = [
+            EventReason::Condition(Reason::QueueDeleted),
+            EventReason::Finding(Finding::AutoAckConsumer),
+            EventReason::PatternFinding(PatternFinding::QueueLeak),
+            EventReason::FindingCleared,
+            EventReason::DisruptionBudgetSkipped,
+            EventReason::GateFailedOpen,
+        ]
+        .map(EventReason::as_str)
+        .into();
+        assert_eq!(
+            words,
+            [
+                "QueueDeleted",
+                "AutoAckConsumer",
+                "QueueLeak",
+                "FindingCleared",
+                "DisruptionBudgetSkipped",
+                "GateFailedOpen"
+            ]
+        );
     }
 }

@@ -37,7 +37,7 @@ impl ConditionType {
 }
 
 /// Machine-readable reasons, shared by conditions and Events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr, strum::EnumString)]
 pub enum Reason {
     Reconciled,
     Declared,

@@ -7,7 +7,7 @@ use super::{Context, Error, FIELD_MANAGER};
 use crate::{
     consumers::{Change, Consumer, ConsumerTracker, QueueKey, Tracking, tracker::now_ms},
     crd::{BudgetOwner, DisruptionBudgetObservation, GateMode, QueuePolicy},
-    events::EventSpec,
+    events::{EventReason, EventSpec},
     gate::{
         self, GatePlan, PodPatch,
         index::{Binding, Budget, BudgetFacts, Consumers, DeploymentFacts, Effects, GateIndex, ObjectKey, PolicyFacts},
@@ -427,13 +427,13 @@ async fn publish_on_pod(recorder: Recorder, patch: PodPatch) {
     };
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
-        reason: spec.reason.clone(),
+        reason: spec.reason.as_str().into(),
         note: Some(spec.note),
         action: spec.action.into(),
         secondary: None,
     };
     if let Err(e) = recorder.publish(&event, &reference).await {
-        tracing::warn!(error = %e, reason = %spec.reason, "could not publish event");
+        tracing::warn!(error = %e, reason = spec.reason.as_str(), "could not publish event");
     }
 }
 
@@ -469,7 +469,7 @@ pub async fn run(policy: &QueuePolicy, plan: &GatePlan, ctx: &Context) -> Result
     for b in budgets.iter().filter(|b| b.owner == BudgetOwner::Foreign && !old.contains(b)) {
         events.push(EventSpec {
             warning: false,
-            reason: "DisruptionBudgetSkipped".into(),
+            reason: EventReason::DisruptionBudgetSkipped,
             action: "GuardDrains",
             note: format!(
                 "PodDisruptionBudget '{}' already selects the pods of Deployment '{}': queueguard creates none (the eviction API refuses pods covered by two budgets)",

@@ -12,7 +12,7 @@ use crate::{
     consumers::{QueueKey, TrackerPool},
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
-    events::{self, EventSpec},
+    events::{self, EventReason, EventSpec},
     findings,
     gate::index::ObjectKey,
     http::{Endpoints, Health},
@@ -485,7 +485,7 @@ async fn broker_side(
             if deleted && mode == converge::Mode::Declare && outcome.queue.is_ok() {
                 events.push(EventSpec {
                     warning: true,
-                    reason: Reason::QueueRecreated.as_str().into(),
+                    reason: EventReason::Condition(Reason::QueueRecreated),
                     action: "DeclareQueue",
                     note: format!(
                         "queue '{}' was deleted behind the operator's back and has been declared again",
@@ -608,7 +608,12 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         publish_for(
             policy,
             ctx,
-            &EventSpec { warning: false, reason: Reason::QueueRetained.as_str().into(), action: "Cleanup", note },
+            &EventSpec {
+                warning: false,
+                reason: EventReason::Condition(Reason::QueueRetained),
+                action: "Cleanup",
+                note,
+            },
         )
         .await;
         return Ok(Action::await_change());
@@ -621,7 +626,12 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             publish_for(
                 policy,
                 ctx,
-                &EventSpec { warning: true, reason: Reason::QueueRetained.as_str().into(), action: "Cleanup", note },
+                &EventSpec {
+                    warning: true,
+                    reason: EventReason::Condition(Reason::QueueRetained),
+                    action: "Cleanup",
+                    note,
+                },
             )
             .await;
             return Ok(Action::await_change());
@@ -632,7 +642,12 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             publish_for(
                 policy,
                 ctx,
-                &EventSpec { warning: false, reason: Reason::QueueDeleted.as_str().into(), action: "Cleanup", note },
+                &EventSpec {
+                    warning: false,
+                    reason: EventReason::Condition(Reason::QueueDeleted),
+                    action: "Cleanup",
+                    note,
+                },
             )
             .await;
             Ok(Action::await_change())
@@ -726,12 +741,12 @@ async fn write_status(
 pub(crate) async fn publish_for<K: Resource<DynamicType = ()>>(object: &K, ctx: &Context, spec: &EventSpec) {
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
-        reason: spec.reason.clone(),
+        reason: spec.reason.as_str().into(),
         note: Some(spec.note.clone()),
         action: spec.action.into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
-        tracing::warn!(error = %e, reason = %spec.reason, "could not publish event");
+        tracing::warn!(error = %e, reason = spec.reason.as_str(), "could not publish event");
     }
 }

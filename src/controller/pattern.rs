@@ -4,7 +4,7 @@
 
 use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, endpoint, finalized, publish_for};
 use crate::{
-    events::EventSpec,
+    events::{EventReason, EventSpec},
     metrics::PolicyLabels,
     pattern::{
         self, WatchMemory,
@@ -106,7 +106,8 @@ async fn cleanup(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
         },
         Err(check) => format!("policy '{}' left on the broker: {}", plan.policy_name, check.message),
     };
-    publish_for(p, ctx, &EventSpec { warning: false, reason: "PolicyRemoved".into(), action: "Cleanup", note }).await;
+    publish_for(p, ctx, &EventSpec { warning: false, reason: EventReason::PolicyRemoved, action: "Cleanup", note })
+        .await;
     Ok(Action::await_change())
 }
 

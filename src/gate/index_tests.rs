@@ -329,7 +329,7 @@ fn failure_policy_closed_holds_what_it_cannot_see_and_open_lets_through_after_th
     let patches = flush(&mut i, &b, NOW + 700_000);
     let [p] = patches.as_slice() else { panic!("{patches:?}") };
     assert_eq!((p.pod.as_str(), p.reason), ("worker-2", GateReason::BrokerUnreachable));
-    assert_eq!(p.event().reason, "GateFailedOpen");
+    assert_eq!(p.event().reason.as_str(), "GateFailedOpen");
     assert!(p.event().warning);
 }
 

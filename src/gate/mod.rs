@@ -29,7 +29,7 @@ use crate::{
         ConsumersObservation, ConsumersSpec, FailurePolicy, GateMode, MatchBy, PodAttachment, PodGate,
         RolloutObservation, RolloutPhase, WaitingPod,
     },
-    events::EventSpec,
+    events::{EventReason, EventSpec},
     status::{Check, Reason, Truth},
 };
 use index::{ObjectKey, PolicyView};
@@ -91,11 +91,11 @@ impl PodPatch {
     /// The Event that tells of this flip, on the pod.
     pub fn event(&self) -> EventSpec {
         let (warning, reason) = match self.reason {
-            _ if !self.attached => (false, "GateClosed"),
-            r if r.failed_open() => (true, "GateFailedOpen"),
-            _ => (false, "GateOpened"),
+            _ if !self.attached => (false, EventReason::GateClosed),
+            r if r.failed_open() => (true, EventReason::GateFailedOpen),
+            _ => (false, EventReason::GateOpened),
         };
-        EventSpec { warning, reason: reason.into(), action: "GatePod", note: crate::events::truncate(&self.message) }
+        EventSpec { warning, reason, action: "GatePod", note: crate::events::truncate(&self.message) }
     }
 }
 
@@ -168,7 +168,7 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
             strategy::Verdict::Unsafe { why, patch } if plan.manage_strategy && enforce => {
                 events.push(EventSpec {
                     warning: false,
-                    reason: "StrategyPatched".into(),
+                    reason: EventReason::StrategyPatched,
                     action: "GuardRollout",
                     note: format!("Deployment '{name}': {why}; patched to RollingUpdate with maxUnavailable 0"),
                 });
@@ -217,7 +217,7 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
     if phase == RolloutPhase::Stalled && previous != Some(RolloutPhase::Stalled) {
         events.push(EventSpec {
             warning: true,
-            reason: "RolloutStalled".into(),
+            reason: EventReason::RolloutStalled,
             action: "GuardRollout",
             note: format!(
                 "pods {} have waited longer than attachTimeout {}s for their consumer",

@@ -125,7 +125,7 @@ fn a_consumer_attached_long_enough_opens_the_gate() {
     assert_eq!(p.reason, GateReason::ConsumerAttached);
     assert_eq!(p.transition_ms, NOW);
     assert!(p.message.contains("ctag-1") && p.message.contains("10.0.0.1"), "{}", p.message);
-    assert_eq!(p.event().reason, "GateOpened");
+    assert_eq!(p.event().reason.as_str(), "GateOpened");
     let r = &d.report;
     assert_eq!((r.consumers.attached, r.consumers.expected), (1, 1));
     assert_eq!(r.consumers_attached.reason, Reason::Attached);
@@ -174,7 +174,7 @@ fn a_detached_consumer_closes_the_gate_and_moves_the_transition_time() {
     let d = run(&plan(), &[deployment(1)], &[open(pod(1), NOW - 60_000)], &[], Tracking::Events);
     let p = patch_of(&d, "worker-1").unwrap();
     assert_eq!((p.attached, p.reason, p.transition_ms), (false, GateReason::NoConsumer, NOW));
-    assert_eq!(p.event().reason, "GateClosed");
+    assert_eq!(p.event().reason.as_str(), "GateClosed");
 }
 
 #[test]
@@ -209,7 +209,7 @@ fn failure_policy_closed_changes_nothing_it_cannot_see() {
     assert!(d.patches.is_empty(), "{:?}", d.patches);
     assert_eq!(d.report.consumers_attached.status, crate::status::Truth::Unknown);
     assert_eq!(d.report.rollout.phase, RolloutPhase::Stalled);
-    assert!(d.report.events.iter().any(|e| e.reason == "RolloutStalled" && e.warning));
+    assert!(d.report.events.iter().any(|e| e.reason.as_str() == "RolloutStalled" && e.warning));
 }
 
 #[test]
@@ -247,7 +247,7 @@ fn failure_policy_open_opens_after_the_timeout_with_a_warning() {
     assert_eq!(d.patches.len(), 1);
     let patch = &d.patches[0];
     assert_eq!((patch.pod.as_str(), patch.attached, patch.reason), ("worker-1", true, GateReason::BrokerUnreachable));
-    assert!(patch.event().warning && patch.event().reason == "GateFailedOpen");
+    assert!(patch.event().warning && patch.event().reason.as_str() == "GateFailedOpen");
     assert_eq!(d.report.recheck_after, Some(Duration::from_millis(599_000)), "the young pod's timeout");
     // With the broker visible but no consumer coming, Open also gives up after the timeout.
     let d = run(&p, &[deployment(1)], &[stale], &[], Tracking::Events);
@@ -280,7 +280,7 @@ fn unsafe_strategies_are_patched_when_managed_else_reported() {
     assert_eq!(r.strategy_patches[0].0, "worker");
     assert_eq!(r.rollout_safe.reason, Reason::RolloutGuarded);
     assert!(r.rollout_safe.message.contains("patched"));
-    assert!(r.events.iter().any(|e| e.reason == "StrategyPatched"));
+    assert!(r.events.iter().any(|e| e.reason.as_str() == "StrategyPatched"));
     let mut p = plan();
     p.manage_strategy = false;
     let d = run(&p, &[recreate], &[], &[], Tracking::Events);

@@ -6,8 +6,8 @@ use super::{
     crd::{PatternFinding, QueuePatternStatus},
 };
 use crate::{
-    events::{EventSpec, finding_transitions, truncate},
-    status::{Check, ConditionType, Truth, condition_of, finding_condition},
+    events::{EventReason, EventSpec, finding_transitions, truncate},
+    status::{Check, ConditionType, Reason, Truth, condition_of, finding_condition},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Condition, jiff::Timestamp};
 
@@ -53,17 +53,19 @@ pub fn next_status(
 pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
     let mut events = Vec::new();
     let is_ready = |c: &&Condition| c.type_ == ConditionType::Ready.as_str();
+    // The new Ready is this pass's own, so its reason is always the operator's.
     if let Some(ready) = new.iter().find(is_ready)
         && !old.iter().filter(is_ready).any(|w| w.status == ready.status && w.reason == ready.reason)
+        && let Ok(reason) = ready.reason.parse::<Reason>()
     {
         events.push(EventSpec {
             warning: Truth::of(&ready.status) != Truth::True,
-            reason: ready.reason.clone(),
+            reason: EventReason::Condition(reason),
             action: "ApplyPolicy",
             note: truncate(&ready.message),
         });
     }
-    let findings: Vec<&str> = PatternFinding::ALL.iter().map(|f| f.as_str()).collect();
+    let findings = PatternFinding::ALL.map(|f| (f.as_str(), EventReason::PatternFinding(f)));
     events.extend(finding_transitions(old, new, &findings, "WatchQueues"));
     events
 }
@@ -71,7 +73,6 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::Reason;
 
     #[test]
     fn findings_come_and_go_as_events_and_conditions() {
