@@ -81,7 +81,8 @@ impl Backoff {
 }
 
 struct ConnState {
-    conn: Option<Arc<Connection>>,
+    /// The open connection and its generation (which connection of this endpoint it is).
+    conn: Option<(Arc<Connection>, u64)>,
     backoff: Backoff,
     last_error: String,
 }
@@ -91,7 +92,8 @@ pub struct AmqpEndpoint {
     ca_cert: Option<String>,
     connection_name: String,
     state: tokio::sync::Mutex<ConnState>,
-    idle: Mutex<Vec<Channel>>,
+    /// Idle channels, each with the generation of the connection it lives on.
+    idle: Mutex<Vec<(u64, Channel)>>,
     opened: AtomicU64,
 }
 
@@ -122,40 +124,43 @@ impl AmqpEndpoint {
 
     /// Whether the connection is open; false while (re)connecting.
     pub fn is_connected(&self) -> bool {
-        self.state.try_lock().is_ok_and(|s| s.conn.as_ref().is_some_and(|c| c.status().connected()))
+        self.state.try_lock().is_ok_and(|s| s.conn.as_ref().is_some_and(|(c, _)| c.status().connected()))
     }
 
     /// A live channel, connecting first when needed.
     pub async fn channel(&self) -> Result<PooledChannel<'_>, AmqpError> {
-        if let Some(channel) = self.take_idle() {
-            return Ok(PooledChannel { endpoint: self, channel: Some(channel) });
-        }
-        let conn = self.connection().await?;
-        let channel = self.bounded(conn.create_channel()).await?;
-        Ok(PooledChannel { endpoint: self, channel: Some(channel) })
+        let (conn, generation) = self.connection().await?;
+        let channel = match self.take_idle(generation) {
+            Some(channel) => channel,
+            None => self.bounded(conn.create_channel()).await?,
+        };
+        Ok(PooledChannel { endpoint: self, generation, channel: Some(channel) })
     }
 
     /// A channel of its own, outside the pool, for a long-lived subscription.
     pub async fn dedicated_channel(&self) -> Result<Channel, AmqpError> {
-        let conn = self.connection().await?;
+        let (conn, _) = self.connection().await?;
         self.bounded(conn.create_channel()).await
     }
 
-    fn take_idle(&self) -> Option<Channel> {
+    /// An idle channel of the current connection. A lost connection marks itself failed before
+    /// its channels (lapin rejects the pending operations in between), so a channel's own status
+    /// can still read open just after its connection died: the generation tells.
+    fn take_idle(&self, generation: u64) -> Option<Channel> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(channel) = idle.pop() {
-            if channel.status().connected() {
+        while let Some((g, channel)) = idle.pop() {
+            if g == generation && channel.status().connected() {
                 return Some(channel);
             }
         }
         None
     }
 
-    async fn connection(&self) -> Result<Arc<Connection>, AmqpError> {
+    async fn connection(&self) -> Result<(Arc<Connection>, u64), AmqpError> {
         let mut state = self.state.lock().await;
-        if let Some(conn) = &state.conn {
+        if let Some((conn, generation)) = &state.conn {
             if conn.status().connected() {
-                return Ok(conn.clone());
+                return Ok((conn.clone(), *generation));
             }
             state.conn = None;
         }
@@ -166,10 +171,10 @@ impl AmqpEndpoint {
         match self.connect_any().await {
             Ok(conn) => {
                 let conn = Arc::new(conn);
-                self.opened.fetch_add(1, Ordering::Relaxed);
+                let generation = self.opened.fetch_add(1, Ordering::Relaxed) + 1;
                 state.backoff = Backoff::default();
-                state.conn = Some(conn.clone());
-                Ok(conn)
+                state.conn = Some((conn.clone(), generation));
+                Ok((conn, generation))
             }
             Err(detail) => {
                 let retry_in = state.backoff.failed(now);
@@ -248,6 +253,7 @@ fn describe(e: &lapin::Error) -> String {
 /// A channel borrowed from the endpoint's pool; returned on drop if still open.
 pub struct PooledChannel<'a> {
     endpoint: &'a AmqpEndpoint,
+    generation: u64,
     channel: Option<Channel>,
 }
 
@@ -275,7 +281,7 @@ impl Drop for PooledChannel<'_> {
         }
         let mut idle = self.endpoint.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < IDLE_CHANNELS {
-            idle.push(channel);
+            idle.push((self.generation, channel));
         } else {
             tokio::spawn(async move {
                 let _ = channel.close(200, "OK".into()).await;
