@@ -33,7 +33,7 @@ pub enum Mode {
     Declare,
     /// Look at it through the management API only, so an unused queue still expires on schedule
     /// (keepAlive: false, once the queue has been declared for this generation).
-    Observe,
+    Inspect,
 }
 
 /// Why a step could not finish.
@@ -50,7 +50,7 @@ enum Refused {
     /// The broker refused an AMQP operation.
     Broker(Refusal),
     /// The entity exists with other settings, on this argument; with the broker's refusal when
-    /// a declare was refused (an observation through the management API has none).
+    /// a declare was refused (an inspection through the management API has none).
     Conflict(Inequivalence, Option<Refusal>),
     /// The queue is not there (seen through the management API).
     QueueMissing,
@@ -104,7 +104,7 @@ async fn converge_once(
 
     let queue_step = match mode {
         Mode::Declare => declare_queue(plan, broker).await,
-        Mode::Observe => observe_queue(plan, broker, &vhost).await,
+        Mode::Inspect => inspect_queue(plan, broker, &vhost).await,
     };
     let (mut queue, mut queue_observation) = match queue_step {
         Ok(obs) => (Check::ok(Reason::Declared, queue_summary(plan, &vhost)), Some(obs)),
@@ -214,7 +214,7 @@ async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObserva
 }
 
 /// Checks the queue through the management API, which does not renew its expiry lease.
-async fn observe_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result<QueueObservation, StepError> {
+async fn inspect_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result<QueueObservation, StepError> {
     let info = broker.management.queue(vhost, &plan.queue).await.map_err(management_step_error)?;
     let Some(info) = info else { return Err(StepError::Refused(Refused::QueueMissing)) };
     let mut diffs = settings::argument_differences(&settings::queue_arguments(plan), &info.arguments);

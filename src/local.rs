@@ -5,8 +5,9 @@ use crate::{
     broker::{BrokerCredentials, BrokerPool},
     converge::{self, Mode},
     crd::{QueuePolicy, QueuePolicyStatus},
+    pass,
     plan::{self, Limits},
-    reconcile, secret,
+    secret,
     status::{Check, Outcome, Reason, next_status},
 };
 use k8s_openapi::{api::core::v1::Secret, jiff::Timestamp};
@@ -122,7 +123,7 @@ pub async fn apply(
                     Some(c) => Ok(c.clone()),
                     None => credentials_in(manifest, &namespace, &plan.secret_name),
                 };
-                match creds.and_then(|c| reconcile::connect(pool, &plan, &c)) {
+                match creds.and_then(|c| pass::broker_for_plan(pool, &plan, &c)) {
                     Err(check) => Outcome::blocked(check),
                     Ok(broker) => {
                         let previous = policy.status.as_ref().map(|s| s.applied_bindings.clone()).unwrap_or_default();

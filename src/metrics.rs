@@ -212,7 +212,7 @@ impl Metrics {
     }
 
     /// The queue counts and gate state one reconcile saw; what it could not see is left as it was.
-    pub fn observed(&self, policy: &PolicyLabels, outcome: &Outcome) {
+    pub fn record_outcome(&self, policy: &PolicyLabels, outcome: &Outcome) {
         if let Some(q) = &outcome.queue_observation {
             let labels = self.queue_labels(policy, &q.name);
             set_opt(&self.messages_ready, &labels, q.messages_ready);
@@ -270,7 +270,7 @@ impl Metrics {
         }
     }
 
-    pub fn pattern_observed(&self, pattern: &PolicyLabels, report: &crate::pattern::WatchReport) {
+    pub fn record_pattern(&self, pattern: &PolicyLabels, report: &crate::pattern::WatchReport) {
         let labels = PatternLabels { namespace: pattern.namespace.clone(), pattern: pattern.policy.clone() };
         self.pattern_queues.get_or_create(&labels).set(report.queues.matching);
         self.pattern_orphaned.get_or_create(&labels).set(report.queues.orphaned);
@@ -394,7 +394,7 @@ mod tests {
             queue: "orders.dlq".into(),
             messages_ready: Some(7),
         });
-        m.observed(&labels(), &outcome);
+        m.record_outcome(&labels(), &outcome);
         m.gate_opened(&labels(), Duration::from_millis(800));
         m.broker_connections(&[("amqp://old:5672/%2F".into(), false)], &[]);
         m.broker_connections(

@@ -338,7 +338,7 @@ async fn keep_alive_false_lets_an_unused_queue_expire_on_schedule() {
     let mut last = None;
     for _ in 0..8 {
         tokio::time::sleep(Duration::from_millis(600)).await;
-        last = Some(converge::converge(&plan, &broker, &[], Mode::Observe).await);
+        last = Some(converge::converge(&plan, &broker, &[], Mode::Inspect).await);
     }
     assert!(!exists(&name).await, "observing through the management API does not renew the lease");
     let last = last.unwrap();
@@ -536,7 +536,7 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
         let uri = format!("amqp://{}:{password}@{}/%2F", enc(&user), broker_addr());
         let creds = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: None, addresses: None };
         let rotated_at = Instant::now();
-        let broker = queueguard::reconcile::connect(&pool, &plan, &creds).unwrap();
+        let broker = queueguard::pass::broker_for_plan(&pool, &plan, &creds).unwrap();
         assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "round {round}");
         let tracker = trackers.tracker(&broker.uri, None).unwrap();
         let events = eventually(Duration::from_secs(10), || async {

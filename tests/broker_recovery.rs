@@ -7,7 +7,7 @@ use common::*;
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool},
     converge::{self, Mode},
-    reconcile,
+    pass,
     status::{Reason, Truth},
 };
 use std::time::Duration;
@@ -20,7 +20,7 @@ async fn an_outage_is_reported_and_recovered_from_without_a_restart() {
     let creds =
         BrokerCredentials { uri: proxy.uri(), management_uri: Some(management_base()), ca_cert: None, addresses: None };
     let pool = BrokerPool::new(unique("conn"));
-    let broker = reconcile::connect(&pool, &plan, &creds).unwrap();
+    let broker = pass::broker_for_plan(&pool, &plan, &creds).unwrap();
     assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
 
     proxy.cut();

@@ -7,7 +7,7 @@ use common::*;
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool},
     converge::{self, Mode},
-    reconcile,
+    pass,
     status::Reason,
 };
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
@@ -67,7 +67,7 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     let untrusted =
         BrokerCredentials { uri: uri.clone(), management_uri: Some(management_base()), ca_cert: None, addresses: None };
     let pool = BrokerPool::new(unique("conn"));
-    let broker = reconcile::connect(&pool, &plan, &untrusted).unwrap();
+    let broker = pass::broker_for_plan(&pool, &plan, &untrusted).unwrap();
     let refused = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     assert_eq!(
         refused.queue.reason,
@@ -78,7 +78,7 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
 
     let trusted =
         BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: Some(ca), addresses: None };
-    let broker = reconcile::connect(&pool, &plan, &trusted).unwrap();
+    let broker = pass::broker_for_plan(&pool, &plan, &trusted).unwrap();
     assert_eq!(broker.uri.display(), format!("amqps://127.0.0.1:{port}/%2F"));
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
     assert!(outcome.is_ready(), "{outcome:#?}");

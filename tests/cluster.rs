@@ -21,7 +21,7 @@ use queueguard::{
     controller::Context,
     converge::{self, Mode},
     gate::index::ObjectKey,
-    reconcile,
+    pass,
     simulation::{self, Scenario},
 };
 use serde_json::json;
@@ -288,7 +288,7 @@ async fn killing_the_node_the_operator_uses_moves_it_to_the_next_and_it_keeps_re
         let creds = &creds;
         async move {
             let plan = plan_of(&policy(&name, &format!("{{name: {name}, type: quorum}}")));
-            let broker = reconcile::connect(pool, &plan, creds).unwrap();
+            let broker = pass::broker_for_plan(pool, &plan, creds).unwrap();
             let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
             (plan, outcome)
         }

@@ -145,7 +145,7 @@ async fn a_missing_secret_is_a_condition_and_a_retry() {
         call.respond(StatusCode::OK, &echo.clone());
         api.expect_event("SecretNotFound", "Warning").await;
     });
-    assert_eq!(run(p, ctx).await.unwrap(), Action::requeue(queueguard::reconcile::SECRET_RETRY));
+    assert_eq!(run(p, ctx).await.unwrap(), Action::requeue(queueguard::pass::SECRET_RETRY));
     server.await.unwrap();
 }
 

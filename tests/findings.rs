@@ -43,13 +43,13 @@ impl Looker {
         &self.plan.queue
     }
 
-    fn queues(&self) -> findings::observe::Queues<'_> {
-        findings::observe::Queues { queue: &self.plan.queue, dead_letter_queue: &self.plan.dead_letter_queue }
+    fn queues(&self) -> findings::sample::Queues<'_> {
+        findings::sample::Queues { queue: &self.plan.queue, dead_letter_queue: &self.plan.dead_letter_queue }
     }
 
     async fn look(&mut self) -> Report {
         let seen =
-            findings::observe::observe(self.queues(), &self.broker, None).await.expect("the queue can be looked at");
+            findings::sample::sample(self.queues(), &self.broker, None).await.expect("the queue can be looked at");
         let (memory, report) = findings::evaluate(&self.memory, &seen, &self.plan.findings);
         self.memory = memory;
         report

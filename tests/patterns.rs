@@ -14,9 +14,9 @@ use lapin::{
 use queueguard::{
     broker::{Broker, BrokerPool},
     controller::{Context, FINALIZER, FINDINGS_EVERY, pattern as pattern_controller},
+    pass,
     pattern::{self, PatternPlan, WatchMemory, WatchReport, broker as pattern_broker, crd::QueuePattern},
     plan::Limits,
-    reconcile,
 };
 use serde_json::{Value, json};
 use std::{sync::Arc, time::Duration};
@@ -42,7 +42,7 @@ impl Watch {
         let p = pattern_doc(&prefix, &format!("pattern: '^{}\\.'\n  expires: {expires}", regex_escape(&prefix)));
         let plan = pattern::plan(&p, Limits { min_expires: Duration::from_millis(100) }).unwrap();
         let pool = BrokerPool::new(unique("patterns-op"));
-        let broker = reconcile::endpoint(&pool, "rabbitmq", None, &credentials()).unwrap();
+        let broker = pass::broker_for(&pool, "rabbitmq", None, &credentials()).unwrap();
         let applied = pattern_broker::apply_policy(&plan, &broker).await;
         assert!(applied.is_ok(), "{applied:?}");
         Self { plan, broker, memory: WatchMemory::default(), prefix, _pool: pool }

@@ -121,8 +121,11 @@ pub struct NodeInfo {
     pub name: String,
     #[serde(default)]
     pub running: bool,
+    /// None when the API has no statistics for the node: measured on a 3.10 cluster, a node
+    /// restarted in place can stay listed with only its name and `running` for minutes, its
+    /// plugins active all along.
     #[serde(default)]
-    pub enabled_plugins: Vec<String>,
+    pub enabled_plugins: Option<Vec<String>>,
 }
 
 /// A consumer as the management API reports it.

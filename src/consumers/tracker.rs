@@ -19,7 +19,7 @@ use super::{
 use crate::broker::{
     Broker,
     amqp::AmqpError,
-    management::ConsumerInfo,
+    management::{ConsumerInfo, NodeInfo},
     refusal::{ACCESS_REFUSED, NOT_FOUND},
 };
 use futures::StreamExt;
@@ -59,6 +59,16 @@ const NODE_CHECK_SINGLE: Duration = Duration::from_secs(30);
 /// while the subscription was down show in a snapshot this long after it is back.
 pub const STATS_LAG: Duration = Duration::from_secs(7);
 const EVENT_PLUGIN: &str = "rabbitmq_event_exchange";
+
+/// The running nodes known to lack the event exchange plugin. A node the API has no statistics
+/// for is not counted: unknown is not missing.
+fn without_event_plugin(nodes: &[NodeInfo]) -> Vec<String> {
+    nodes
+        .iter()
+        .filter(|n| n.running && n.enabled_plugins.as_ref().is_some_and(|p| !p.iter().any(|p| p == EVENT_PLUGIN)))
+        .map(|n| n.name.clone())
+        .collect()
+}
 
 /// How the tracker currently learns about consumers of a vhost; shown in status.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -231,11 +241,7 @@ impl ConsumerTracker {
             }
         };
         let down: BTreeSet<String> = nodes.iter().filter(|n| !n.running).map(|n| n.name.clone()).collect();
-        let without_plugin: Vec<String> = nodes
-            .iter()
-            .filter(|n| n.running && !n.enabled_plugins.iter().any(|p| p == EVENT_PLUGIN))
-            .map(|n| n.name.clone())
-            .collect();
+        let without_plugin = without_event_plugin(&nodes);
         let (newly_down, back, plugins_changed) = {
             let mut known = lock(&self.nodes);
             let newly_down: BTreeSet<String> = down.difference(&known.down).cloned().collect();
@@ -565,4 +571,25 @@ pub fn now_ms() -> i64 {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_without_statistics_is_not_counted_as_missing_the_plugin() {
+        let node = |name: &str, running: bool, plugins: Option<&[&str]>| NodeInfo {
+            name: name.into(),
+            running,
+            enabled_plugins: plugins.map(|p| p.iter().map(|s| s.to_string()).collect()),
+        };
+        let nodes = [
+            node("qa@h", true, None),
+            node("qb@h", true, Some(&["rabbitmq_management", EVENT_PLUGIN])),
+            node("qc@h", true, Some(&["rabbitmq_management"])),
+            node("qd@h", false, Some(&[])),
+        ];
+        assert_eq!(without_event_plugin(&nodes), ["qc@h"]);
+    }
 }

@@ -10,7 +10,10 @@ use crate::{
     events::{EventReason, EventSpec},
     gate::{
         self, GatePlan, PodPatch,
-        index::{Binding, Budget, BudgetFacts, Consumers, DeploymentFacts, Effects, GateIndex, ObjectKey, PolicyFacts},
+        index::{
+            Binding, Budget, BudgetFacts, Consumers, DeploymentFacts, Effects, GateIndex, ObjectKey, PolicyFacts,
+            Unbound,
+        },
         pdb,
         pods::PodFacts,
     },
@@ -150,7 +153,7 @@ impl Gate {
 
     /// Records that a policy counts consumers on `queue` through `tracker` (or why it cannot),
     /// and makes sure that tracker's changes reach the index.
-    pub fn bind(self: &Arc<Self>, policy: &ObjectKey, binding: Result<(Arc<ConsumerTracker>, QueueKey), String>) {
+    pub fn bind(self: &Arc<Self>, policy: &ObjectKey, binding: Result<(Arc<ConsumerTracker>, QueueKey), Unbound>) {
         let binding = binding.map(|(tracker, queue)| {
             let source = tracker.id();
             let new = lock(&self.trackers).insert(source, tracker.clone()).is_none();

@@ -14,13 +14,14 @@ use crate::{
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
     events::{self, EventReason, EventSpec},
     findings,
-    gate::index::ObjectKey,
+    gate::index::{ObjectKey, Unbound},
     http::{Endpoints, Health},
     leader::LeaderElector,
     metrics::{Metrics, PolicyLabels},
+    pass,
     pattern::crd::QueuePattern,
     plan::{self, Limits, QueuePlan},
-    reconcile, secret,
+    secret,
     status::{Check, Outcome, Reason, next_status},
 };
 use futures::StreamExt;
@@ -444,7 +445,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     }
 
     report(policy, previous, &outcome, &events, ctx).await?;
-    let after = [reconcile::requeue_after(planned.as_ref().ok(), &outcome), recheck].into_iter().flatten().min();
+    let after = [pass::requeue_after(planned.as_ref().ok(), &outcome), recheck].into_iter().flatten().min();
     Ok(after.map_or_else(Action::await_change, Action::requeue))
 }
 
@@ -460,7 +461,7 @@ async fn broker_side(
     previous: Option<&QueuePolicyStatus>,
     ctx: &Context,
 ) -> Result<(Outcome, Option<Reached>, Vec<EventSpec>), Error> {
-    let broker = match connect(policy, plan, ctx).await? {
+    let broker = match broker_of_policy(policy, plan, ctx).await? {
         Err(check) => return Ok((Outcome::blocked(check), None, vec![])),
         Ok(broker) => broker,
     };
@@ -478,7 +479,7 @@ async fn broker_side(
     let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| !deleted) {
         Some(outcome) => outcome,
         None => {
-            let mode = reconcile::mode_for(plan, previous, generation);
+            let mode = pass::mode_for(plan, previous, generation);
             let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
             let outcome = converge::converge(plan, &broker, &bindings, mode).await;
             remember(ctx, &me, generation, &outcome);
@@ -509,8 +510,8 @@ fn bind_gate(
 ) {
     let binding = match (planned, reached) {
         (Ok(plan), Some((b, Some(t)))) => Ok((t.clone(), QueueKey::new(b.vhost(), &plan.queue))),
-        (Ok(_), Some((_, None))) => Err("consumer tracking could not start".to_owned()),
-        _ => Err(outcome.ready().message),
+        (Ok(_), Some((_, None))) => Err(Unbound::TrackingNotStarted),
+        _ => Err(Unbound::NotReady(outcome.ready().message)),
     };
     ctx.gate.bind(&ObjectKey::of(policy), binding);
 }
@@ -524,7 +525,7 @@ async fn report(
     ctx: &Context,
 ) -> Result<(), Error> {
     let labels = PolicyLabels { namespace: policy.namespace().unwrap_or_default(), policy: policy.name_any() };
-    ctx.metrics.observed(&labels, outcome);
+    ctx.metrics.record_outcome(&labels, outcome);
     let status = next_status(previous, outcome, policy.metadata.generation, Timestamp::now());
     write_status(policy, previous, status, ctx).await?;
     for event in events {
@@ -549,8 +550,8 @@ async fn look(
             None => findings::Memory::default(),
         }
     };
-    let queues = findings::observe::Queues { queue: &plan.queue, dead_letter_queue: &plan.dead_letter_queue };
-    let seen = match findings::observe::observe(queues, broker, tracker).await {
+    let queues = findings::sample::Queues { queue: &plan.queue, dead_letter_queue: &plan.dead_letter_queue };
+    let seen = match findings::sample::sample(queues, broker, tracker).await {
         Ok(seen) => seen,
         Err(why) => {
             tracing::debug!(%why, "could not look at the queue's consumers");
@@ -574,7 +575,7 @@ fn recent_outcome(
     let c = memos.get(me)?.converged.as_ref()?;
     let fresh = c.generation == generation
         && c.outcome.is_ready()
-        && reconcile::requeue_after(Some(plan), &c.outcome).is_some_and(|renew| c.at.elapsed() < renew);
+        && pass::requeue_after(Some(plan), &c.outcome).is_some_and(|renew| c.at.elapsed() < renew);
     fresh.then(|| c.outcome.clone())
 }
 
@@ -618,7 +619,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         .await;
         return Ok(Action::await_change());
     }
-    let broker = match connect(policy, &plan, ctx).await? {
+    let broker = match broker_of_policy(policy, &plan, ctx).await? {
         Ok(broker) => broker,
         Err(check) => {
             // Without credentials nothing can be checked, so nothing is deleted.
@@ -669,18 +670,18 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
 
 /// The shared broker endpoint, or the condition explaining why not. A missing Secret is a
 /// condition; other API errors are retried.
-async fn connect(
+async fn broker_of_policy(
     policy: &QueuePolicy,
     plan: &QueuePlan,
     ctx: &Context,
 ) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
-    endpoint(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await
+    broker_from_secret(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await
 }
 
 /// The broker endpoint whose credentials Secret `secret_name` holds, or the condition saying
 /// why not.
-pub(crate) async fn endpoint(
+pub(crate) async fn broker_from_secret(
     ctx: &Context,
     ns: &str,
     secret_name: &str,
@@ -689,10 +690,9 @@ pub(crate) async fn endpoint(
     let Some(found) = ctx.secrets.get(&ctx.client, ns, secret_name).await? else {
         return Ok(Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{secret_name}' not found"))));
     };
-    Ok(secret::credentials(&found).and_then(|creds| reconcile::endpoint(&ctx.brokers, secret_name, vhost, &creds)))
+    Ok(secret::credentials(&found).and_then(|creds| pass::broker_for(&ctx.brokers, secret_name, vhost, &creds)))
 }
 
-/// The status this operator last wrote for this very policy (same uid), if any.
 /// The status this operator last wrote for this very policy (same uid), while the watch cache
 /// has not caught up with it; once it has, the cache's copy serves and this one is let go.
 fn last_written(ctx: &Context, policy: &QueuePolicy) -> Option<QueuePolicyStatus> {

@@ -2,7 +2,7 @@
 //! queues every [`FINDINGS_EVERY`], report status, Events and metrics; on deletion remove the
 //! policy (the queues stay).
 
-use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, endpoint, finalized, publish_for};
+use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, broker_from_secret, finalized, publish_for};
 use crate::{
     events::{EventReason, EventSpec},
     metrics::PolicyLabels,
@@ -45,7 +45,7 @@ async fn apply(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(p);
     let (ready, report, policy) = match pattern::plan(p, ctx.limits) {
         Err(errors) => (Check::failed(Reason::InvalidSpec, plan::describe(&errors)), None, None),
-        Ok(plan) => match endpoint(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
+        Ok(plan) => match broker_from_secret(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
             Err(check) => (check, None, None),
             Ok(broker) => {
                 let mut applied = apply_policy(&plan, &broker).await;
@@ -77,7 +77,7 @@ async fn apply(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
     };
     let labels = PolicyLabels { namespace: ns.clone(), policy: p.name_any() };
     if let Some(r) = &report {
-        ctx.metrics.pattern_observed(&labels, r);
+        ctx.metrics.record_pattern(&labels, r);
     }
     let previous = p.status.as_ref();
     let status = next_status(previous, &ready, report.as_ref(), policy, p.metadata.generation, Timestamp::now());
@@ -99,7 +99,7 @@ async fn cleanup(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
     ctx.metrics.forget_pattern(&PolicyLabels { namespace: p.namespace().unwrap_or_default(), policy: p.name_any() });
     let Ok(plan) = pattern::plan(p, ctx.limits) else { return Ok(Action::await_change()) };
     let ns = p.namespace().unwrap_or_else(|| "default".into());
-    let note = match endpoint(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
+    let note = match broker_from_secret(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
         Ok(broker) => match remove_policy(&plan, &broker).await {
             Ok(()) => format!("policy '{}' removed; the matching queues stay, without its expiry", plan.policy_name),
             Err(e) => return Err(Error::DeletionBlocked(format!("removing policy '{}': {e}", plan.policy_name))),

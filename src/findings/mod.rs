@@ -1,8 +1,8 @@
 //! Consumer hygiene, judged from live broker data: the habits the source articles name as the
-//! ways messages get lost or pile up besides auto-delete. Pure: observations in, verdicts out;
+//! ways messages get lost or pile up besides auto-delete. Pure: samples in, verdicts out;
 //! what must be remembered between passes (counters, since-when) travels in [`Memory`].
 
-pub mod observe;
+pub mod sample;
 
 use crate::crd::Finding;
 use std::time::Duration;
@@ -18,7 +18,7 @@ pub struct ConsumerView {
 
 /// What one pass saw of the queue and its dead-letter queue.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct Observation {
+pub struct Sample {
     pub now_ms: i64,
     pub consumers: Vec<ConsumerView>,
     pub ready: i64,
@@ -46,7 +46,7 @@ pub struct Settings {
 /// Remembered between passes.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Memory {
-    last: Option<Observation>,
+    last: Option<Sample>,
     /// Since when unacked messages have sat at the prefetch limit without an ack.
     stalled_since_ms: Option<i64>,
     /// Consecutive passes in which the dead-letter queue grew.
@@ -82,7 +82,7 @@ const MIN_REDELIVERIES: u64 = 10;
 /// Passes in a row the dead-letter queue must grow before it is reported.
 const GROWTH_PASSES: u32 = 3;
 
-pub fn evaluate(memory: &Memory, now: &Observation, settings: &Settings) -> (Memory, Report) {
+pub fn evaluate(memory: &Memory, now: &Sample, settings: &Settings) -> (Memory, Report) {
     let last = memory.last.as_ref().filter(|l| l.now_ms < now.now_ms);
     let acks = last.map(|l| now.acks.saturating_sub(l.acks));
     let redeliveries = last.map(|l| now.redeliveries.saturating_sub(l.redeliveries));
@@ -183,7 +183,7 @@ pub fn evaluate(memory: &Memory, now: &Observation, settings: &Settings) -> (Mem
 
 /// Processing time per message from the acks of busy consumers (messages were waiting, so they
 /// never idled), and the round trip; None until both are known.
-fn prefetch_advice(last: Option<&Observation>, now: &Observation, acks: Option<u64>) -> Option<PrefetchAdvice> {
+fn prefetch_advice(last: Option<&Sample>, now: &Sample, acks: Option<u64>) -> Option<PrefetchAdvice> {
     let last = last?;
     let acks = acks.filter(|a| *a > 0)?;
     let consumers = now.consumers.iter().filter(|c| c.ack_required).count();
@@ -218,17 +218,17 @@ mod tests {
         report.verdicts.iter().find(|v| v.finding == finding).and_then(|v| v.seen.as_deref())
     }
 
-    fn at(now_ms: i64, edit: impl FnOnce(&mut Observation)) -> Observation {
-        let mut o = Observation { now_ms, consumers: vec![consumer("w1", 10, true)], ..Default::default() };
+    fn at(now_ms: i64, edit: impl FnOnce(&mut Sample)) -> Sample {
+        let mut o = Sample { now_ms, consumers: vec![consumer("w1", 10, true)], ..Default::default() };
         edit(&mut o);
         o
     }
 
-    /// Runs observations in order, returning the last report.
-    fn run(observations: &[Observation], s: &Settings) -> Report {
+    /// Runs samples in order, returning the last report.
+    fn run(samples: &[Sample], s: &Settings) -> Report {
         let mut memory = Memory::default();
         let mut report = None;
-        for o in observations {
+        for o in samples {
             let (m, r) = evaluate(&memory, o, s);
             memory = m;
             report = Some(r);
@@ -279,7 +279,7 @@ mod tests {
 
     #[test]
     fn messages_in_an_idle_queue_past_half_its_expiry_are_at_risk_unless_kept_alive() {
-        let idle = |idle_for_ms: i64| Observation {
+        let idle = |idle_for_ms: i64| Sample {
             now_ms: 1_000_000,
             ready: 3,
             idle_since_ms: Some(1_000_000 - idle_for_ms),
@@ -291,7 +291,7 @@ mod tests {
         assert_eq!(seen(&run(&[idle(100_000)], &settings()), Finding::ExpiryRisk), None, "most of the window left");
         let kept = Settings { keep_alive: true, ..settings() };
         assert_eq!(seen(&run(&[idle(400_000)], &kept), Finding::ExpiryRisk), None, "keepAlive renews the lease");
-        let empty = Observation { ready: 0, ..idle(400_000) };
+        let empty = Sample { ready: 0, ..idle(400_000) };
         assert_eq!(seen(&run(&[empty], &settings()), Finding::ExpiryRisk), None, "nothing to lose");
     }
 

@@ -67,8 +67,8 @@ pub struct PolicyFacts {
     pub key: ObjectKey,
     pub uid: String,
     pub selects: Selects,
-    /// The gate settings, or why the spec is invalid.
-    pub plan: Result<GatePlan, String>,
+    /// The gate settings, or why there are none.
+    pub plan: Result<GatePlan, NoGate>,
     pub deleting: bool,
 }
 
@@ -77,8 +77,8 @@ impl PolicyFacts {
     /// changes (a deletion behind the operator's back) still wake it.
     pub fn from_policy(policy: &QueuePolicy, limits: Limits) -> Self {
         let plan = match plan::plan(policy, limits) {
-            Ok(p) => p.gate.ok_or_else(|| "no spec.consumers".to_owned()),
-            Err(errors) => Err(plan::describe(&errors)),
+            Ok(p) => p.gate.ok_or(NoGate::NoConsumers),
+            Err(errors) => Err(NoGate::Invalid(plan::describe(&errors))),
         };
         Self {
             key: ObjectKey::of(policy),
@@ -93,6 +93,29 @@ impl PolicyFacts {
     fn enforcing(&self) -> Option<&GatePlan> {
         self.plan.as_ref().ok().filter(|p| p.mode == GateMode::Enforce && !self.deleting)
     }
+}
+
+/// Why a policy has no gate settings.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum NoGate {
+    /// It guards nothing (it still has facts, so its queue's changes wake it).
+    #[error("no spec.consumers")]
+    NoConsumers,
+    /// Its spec is invalid: the plan's field errors.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Why a policy cannot count consumers on its queue.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Unbound {
+    #[error("not reconciled yet")]
+    NotReconciledYet,
+    #[error("consumer tracking could not start")]
+    TrackingNotStarted,
+    /// The broker side of its reconcile is not Ready: what its Ready condition says.
+    #[error("{0}")]
+    NotReady(String),
 }
 
 /// The broker queue whose consumers a policy counts, on the tracker `source`.
@@ -201,7 +224,7 @@ pub struct Effects {
 
 struct PolicyEntry {
     facts: PolicyFacts,
-    binding: Result<Binding, String>,
+    binding: Result<Binding, Unbound>,
 }
 
 struct PodEntry {
@@ -270,7 +293,7 @@ impl GateIndex {
                 return;
             }
             Some(old) => old.binding,
-            None => Err("not reconciled yet".into()),
+            None => Err(Unbound::NotReconciledYet),
         };
         self.namespaces.entry(key.namespace.clone()).or_default().policies.insert(key.clone());
         self.policies.insert(key.clone(), PolicyEntry { facts, binding });
@@ -295,7 +318,7 @@ impl GateIndex {
     }
 
     /// Records which queue (on which tracker) a policy counts consumers on, or why it cannot.
-    pub fn bind(&mut self, key: &ObjectKey, binding: Result<Binding, String>) {
+    pub fn bind(&mut self, key: &ObjectKey, binding: Result<Binding, Unbound>) {
         let Some(entry) = self.policies.get_mut(key) else { return };
         if entry.binding == binding {
             return;
@@ -675,7 +698,7 @@ impl GateIndex {
                 Ok(plan) => {
                     let (tracking, consumers) = match &policy.binding {
                         Ok(b) => (cache.tracking(b), cache.consumers(b)),
-                        Err(why) => (Tracking::Unavailable(why.clone()), Arc::default()),
+                        Err(why) => (Tracking::Unavailable(why.to_string()), Arc::default()),
                     };
                     let mine: Vec<&Consumer> =
                         consumers.iter().filter(|c| self.owns(&entry.facts, c, plan) == Ownership::Owned).collect();
@@ -736,7 +759,7 @@ impl GateIndex {
         let plan = entry.facts.plan.as_ref().ok()?;
         let (tracking, on_queue) = match &entry.binding {
             Ok(b) => (consumers.tracking(b.source, &b.queue.vhost), consumers.consumers_on(b.source, &b.queue)),
-            Err(why) => (Tracking::Unavailable(why.clone()), vec![]),
+            Err(why) => (Tracking::Unavailable(why.to_string()), vec![]),
         };
         let guarded = self.guards.get(key).cloned().unwrap_or_default();
         let deployments: Vec<Arc<Deployment>> =

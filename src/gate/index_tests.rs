@@ -68,7 +68,7 @@ fn plan(min_attached: i32) -> GatePlan {
     crate::testing::gate_plan(min_attached)
 }
 
-fn policy(name: &str, selects: Selects, plan: Result<GatePlan, String>) -> PolicyFacts {
+fn policy(name: &str, selects: Selects, plan: Result<GatePlan, NoGate>) -> PolicyFacts {
     PolicyFacts { key: ObjectKey::new("shop", name), uid: format!("uid-{name}"), selects, plan, deleting: false }
 }
 
@@ -337,7 +337,7 @@ fn failure_policy_closed_holds_what_it_cannot_see_and_open_lets_through_after_th
 fn unbound_and_invalid_policies_hold_and_unguarded_pods_open() {
     let mut i = index(vec![(guarding_worker("orders"), "orders")]);
     let b = Broker::default();
-    i.bind(&ObjectKey::new("shop", "orders"), Err("Secret 'shop/rabbitmq' not found".into()));
+    i.bind(&ObjectKey::new("shop", "orders"), Err(Unbound::NotReady("Secret 'shop/rabbitmq' not found".into())));
     let mut p = pod("worker-1", "10.0.0.1");
     p.condition = Some(GateCondition { status: false, reason: "NoConsumer".into(), since_ms: NOW });
     i.upsert_pod(p.clone(), NOW);
@@ -345,7 +345,11 @@ fn unbound_and_invalid_policies_hold_and_unguarded_pods_open() {
     let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
     assert!(matches!(&view.tracking, Tracking::Unavailable(why) if why.contains("Secret")));
 
-    i.upsert_policy(policy("orders", Selects::Name("worker".into()), Err("spec.queue.expires: invalid".into())));
+    i.upsert_policy(policy(
+        "orders",
+        Selects::Name("worker".into()),
+        Err(NoGate::Invalid("spec.queue.expires: invalid".into())),
+    ));
     assert_eq!(flush(&mut i, &b, NOW), vec![], "an invalid policy holds its pods as they are");
 
     i.remove_policy(&ObjectKey::new("shop", "orders"));
@@ -388,7 +392,7 @@ fn deleting_pods_are_left_alone_and_a_failed_write_is_retried() {
 fn policies_are_woken_by_their_pods_deployments_and_queues() {
     let mut i = index(vec![
         (guarding_worker("orders"), "orders"),
-        (policy("other", Selects::Nothing, Err("no spec.consumers".into())), "other"),
+        (policy("other", Selects::Nothing, Err(NoGate::NoConsumers)), "other"),
     ]);
     let b = Broker::default();
     i.flush(&b, NOW);

@@ -14,8 +14,8 @@ use queueguard::{
     broker::{Broker, BrokerCredentials, BrokerPool},
     consumers::{Change, QueueKey},
     crd::QueuePolicy,
+    pass,
     plan::{self, Limits, QueuePlan},
-    reconcile,
 };
 use serde_json::Value;
 use std::{
@@ -68,7 +68,7 @@ pub fn credentials() -> BrokerCredentials {
 }
 
 pub fn broker(pool: &BrokerPool, plan: &QueuePlan) -> Arc<Broker> {
-    reconcile::connect(pool, plan, &credentials()).expect("test broker")
+    pass::broker_for_plan(pool, plan, &credentials()).expect("test broker")
 }
 
 /// An application's own connection, as a consumer or publisher would have.

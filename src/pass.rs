@@ -1,5 +1,6 @@
-//! The decisions around a reconcile that both the controller and local mode share: which broker
-//! endpoint, whether to declare or only observe, and when to look again.
+//! What one pass over a policy decides around its broker work, shared by the controller and
+//! local mode: which broker endpoint, whether to declare the queue or only inspect it, and when
+//! to look again.
 
 use crate::{
     broker::{Broker, BrokerCredentials, BrokerPool, uri::BrokerUri},
@@ -20,13 +21,13 @@ pub const SECRET_RETRY: Duration = Duration::from_secs(30);
 pub const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 
 /// The shared endpoint for a plan's broker, or the condition that explains why there is none.
-pub fn connect(pool: &BrokerPool, plan: &QueuePlan, creds: &BrokerCredentials) -> Result<Arc<Broker>, Check> {
-    endpoint(pool, &plan.secret_name, plan.vhost.as_deref(), creds)
+pub fn broker_for_plan(pool: &BrokerPool, plan: &QueuePlan, creds: &BrokerCredentials) -> Result<Arc<Broker>, Check> {
+    broker_for(pool, &plan.secret_name, plan.vhost.as_deref(), creds)
 }
 
 /// The shared endpoint for credentials from Secret `secret_name`, in `vhost` when given (else
 /// the URI's).
-pub fn endpoint(
+pub fn broker_for(
     pool: &BrokerPool,
     secret_name: &str,
     vhost: Option<&str>,
@@ -42,14 +43,14 @@ pub fn endpoint(
 }
 
 /// Declare, unless keepAlive is off and this generation's queue was already declared: then only
-/// observe, so the operator's own declares do not keep renewing the expiry lease.
+/// inspect it, so the operator's own declares do not keep renewing the expiry lease.
 pub fn mode_for(plan: &QueuePlan, previous: Option<&QueuePolicyStatus>, generation: Option<i64>) -> Mode {
     let declared_this_generation = previous.is_some_and(|s| {
         s.observed_generation == generation
             && status::find(&s.conditions, ConditionType::QueueDeclared)
                 .is_some_and(|c| status::Truth::of(&c.status) == status::Truth::True)
     });
-    if !plan.keep_alive && declared_this_generation { Mode::Observe } else { Mode::Declare }
+    if !plan.keep_alive && declared_this_generation { Mode::Inspect } else { Mode::Declare }
 }
 
 /// When to reconcile again; None waits for the next change of the object.
@@ -101,11 +102,11 @@ mod tests {
     }
 
     #[test]
-    fn observe_only_once_declared_without_keep_alive() {
+    fn inspect_only_once_declared_without_keep_alive() {
         let p = plan_of("{keepAlive: false}");
         assert_eq!(mode_for(&p, None, Some(1)), Mode::Declare);
         let declared = next_status(None, &ready(), Some(1), Timestamp::UNIX_EPOCH);
-        assert_eq!(mode_for(&p, Some(&declared), Some(1)), Mode::Observe);
+        assert_eq!(mode_for(&p, Some(&declared), Some(1)), Mode::Inspect);
         assert_eq!(mode_for(&p, Some(&declared), Some(2)), Mode::Declare, "a changed spec is declared again");
         assert_eq!(mode_for(&plan_of("{}"), Some(&declared), Some(1)), Mode::Declare);
     }

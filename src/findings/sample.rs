@@ -2,7 +2,7 @@
 //! consumers. Management API reads and one passive exchange declare (for the round trip), none
 //! of which renews the queue's expiry lease.
 
-use super::{ConsumerView, Observation};
+use super::{ConsumerView, Sample};
 use crate::{
     broker::{
         Broker,
@@ -31,11 +31,11 @@ pub struct Queues<'a> {
 }
 
 /// Looks at the queue.
-pub async fn observe(
+pub async fn sample(
     queues: Queues<'_>,
     broker: &Broker,
     tracker: Option<&ConsumerTracker>,
-) -> Result<Observation, LookError> {
+) -> Result<Sample, LookError> {
     let vhost = broker.vhost().to_owned();
     let queue: QueueInfo = broker
         .management
@@ -68,7 +68,7 @@ pub async fn observe(
             })
             .collect(),
     };
-    Ok(Observation {
+    Ok(Sample {
         now_ms: now_ms(),
         consumers,
         ready: queue.messages_ready.unwrap_or_default(),
