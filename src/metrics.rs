@@ -1,17 +1,18 @@
 //! Prometheus metrics: what `/metrics` serves. Reconciles, queue depths, gate state and gate
 //! waits per policy; broker connection state per endpoint; leadership.
 
-use crate::status::Outcome;
+use crate::{crd::RolloutPhase, status::Outcome};
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
-    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
-    registry::Registry,
+    metrics::{MetricType, TypedMetric, counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::{Metric, Registry},
 };
 use std::{
     collections::{HashMap, HashSet},
     sync::Mutex,
     time::Duration,
 };
+use strum::VariantArray;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabels {
@@ -61,6 +62,13 @@ struct PatternFindingLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    namespace: String,
+    policy: String,
+    phase: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BrokerLabels {
     broker: String,
     /// `declarations` (what the reconciles use) or `events` (the consumer tracker's).
@@ -72,6 +80,8 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 /// Every metric the operator exports, in one registry.
 pub struct Metrics {
     registry: Registry,
+    /// The sample names of every family, as Prometheus stores them.
+    names: Vec<String>,
     reconciles: Family<ResultLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
     duration: HistogramFamily<PolicyLabels>,
@@ -82,6 +92,7 @@ pub struct Metrics {
     attached: Family<PolicyLabels, Gauge>,
     expected: Family<PolicyLabels, Gauge>,
     waiting: Family<PolicyLabels, Gauge>,
+    rollout_phase: Family<PhaseLabels, Gauge>,
     gate_wait: HistogramFamily<PolicyLabels>,
     findings: Family<FindingLabels, Gauge>,
     pattern_queues: Family<PatternLabels, Gauge>,
@@ -103,77 +114,94 @@ fn gate_wait_buckets() -> Histogram {
     Histogram::new([0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0])
 }
 
+fn phase_labels(policy: &PolicyLabels, phase: RolloutPhase) -> PhaseLabels {
+    PhaseLabels { namespace: policy.namespace.clone(), policy: policy.policy.clone(), phase: phase.into() }
+}
+
+/// The registry being filled, and the sample names of what is in it.
+struct Families {
+    registry: Registry,
+    names: Vec<String>,
+}
+
+impl Families {
+    fn add<M: Metric + TypedMetric + Clone>(&mut self, name: &str, help: &str, metric: &M) {
+        self.registry.register(name, help, metric.clone());
+        let name = format!("queueguard_{name}");
+        match M::TYPE {
+            MetricType::Counter => self.names.push(format!("{name}_total")),
+            MetricType::Histogram => self.names.extend(["_bucket", "_sum", "_count"].map(|s| format!("{name}{s}"))),
+            _ => self.names.push(name),
+        }
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("queueguard");
+        let mut families = Families { registry: Registry::with_prefix("queueguard"), names: Vec::new() };
         let reconciles = Family::default();
-        registry.register("reconcile", "Reconciles of a QueuePolicy, by result (ok, error)", reconciles.clone());
+        families.add("reconcile", "Reconciles of a QueuePolicy, by result (ok, error)", &reconciles);
         let errors = Family::default();
-        registry.register("reconcile_errors", "Failed reconciles, by kind of error", errors.clone());
+        families.add("reconcile_errors", "Failed reconciles, by kind of error", &errors);
         let duration: HistogramFamily<PolicyLabels> = Family::new_with_constructor(reconcile_buckets);
-        registry.register("reconcile_duration_seconds", "Time one reconcile took", duration.clone());
+        families.add("reconcile_duration_seconds", "Time one reconcile took", &duration);
         let messages_ready = Family::default();
-        registry.register("queue_messages_ready", "Messages ready on the policy's queue", messages_ready.clone());
+        families.add("queue_messages_ready", "Messages ready on the policy's queue", &messages_ready);
         let messages_unacked = Family::default();
-        registry.register(
+        families.add(
             "queue_messages_unacknowledged",
             "Messages delivered and not yet acknowledged on the policy's queue",
-            messages_unacked.clone(),
+            &messages_unacked,
         );
         let consumers = Family::default();
-        registry.register("queue_consumers", "Consumers on the policy's queue", consumers.clone());
+        families.add("queue_consumers", "Consumers on the policy's queue", &consumers);
         let dead_letter_ready = Family::default();
-        registry.register(
+        families.add(
             "dead_letter_messages_ready",
             "Messages waiting in the policy's dead-letter queue",
-            dead_letter_ready.clone(),
+            &dead_letter_ready,
         );
         let attached = Family::default();
-        registry.register("gate_consumers_attached", "Consumer pods whose consumer is attached", attached.clone());
+        families.add("gate_consumers_attached", "Consumer pods whose consumer is attached", &attached);
         let expected = Family::default();
-        registry.register("gate_consumers_expected", "Consumer pods the gate expects", expected.clone());
+        families.add("gate_consumers_expected", "Consumer pods the gate expects", &expected);
         let waiting = Family::default();
-        registry.register("gate_pods_waiting", "Pods held back by the gate right now", waiting.clone());
+        families.add("gate_pods_waiting", "Pods held back by the gate right now", &waiting);
+        let rollout_phase = Family::default();
+        families.add("rollout_phase", "1 for the phase the policy's rollout is in (Idle, Progressing, WaitingForAttach, Stalled), 0 for the others", &rollout_phase);
         let gate_wait: HistogramFamily<PolicyLabels> = Family::new_with_constructor(gate_wait_buckets);
-        registry.register(
+        families.add(
             "gate_wait_seconds",
             "Time from a pod's gate closing (containers ready, or its consumer left) to it opening",
-            gate_wait.clone(),
+            &gate_wait,
         );
         let findings = Family::default();
-        registry.register(
+        families.add(
             "finding",
             "1 while a consumer hygiene finding (label finding) is seen on the policy's queue",
-            findings.clone(),
+            &findings,
         );
         let pattern_queues = Family::default();
-        registry.register("pattern_queues", "Queues matching a QueuePattern", pattern_queues.clone());
+        families.add("pattern_queues", "Queues matching a QueuePattern", &pattern_queues);
         let pattern_orphaned = Family::default();
-        registry.register(
+        families.add(
             "pattern_orphaned_queues",
             "Queues matching a QueuePattern that hold ready messages and have no consumer",
-            pattern_orphaned.clone(),
+            &pattern_orphaned,
         );
         let pattern_created = Family::default();
-        registry.register("pattern_queues_created", "Matching queues seen appearing (churn)", pattern_created.clone());
+        families.add("pattern_queues_created", "Matching queues seen appearing (churn)", &pattern_created);
         let pattern_deleted = Family::default();
-        registry.register("pattern_queues_deleted", "Matching queues seen going away (churn)", pattern_deleted.clone());
+        families.add("pattern_queues_deleted", "Matching queues seen going away (churn)", &pattern_deleted);
         let pattern_findings = Family::default();
-        registry.register(
-            "pattern_finding",
-            "1 while a QueuePattern finding (label finding) is seen",
-            pattern_findings.clone(),
-        );
+        families.add("pattern_finding", "1 while a QueuePattern finding (label finding) is seen", &pattern_findings);
         let broker_up = Family::default();
-        registry.register(
-            "broker_connection_up",
-            "1 while the AMQP connection to the broker is open",
-            broker_up.clone(),
-        );
+        families.add("broker_connection_up", "1 while the AMQP connection to the broker is open", &broker_up);
         let leader = Gauge::default();
-        registry.register("leader", "1 while this replica holds the leader lease", leader.clone());
+        families.add("leader", "1 while this replica holds the leader lease", &leader);
         Self {
-            registry,
+            registry: families.registry,
+            names: families.names,
             reconciles,
             errors,
             duration,
@@ -184,6 +212,7 @@ impl Default for Metrics {
             attached,
             expected,
             waiting,
+            rollout_phase,
             gate_wait,
             findings,
             pattern_queues,
@@ -240,6 +269,11 @@ impl Metrics {
             self.attached.get_or_create(policy).set(gate.consumers.attached.into());
             self.expected.get_or_create(policy).set(gate.consumers.expected.into());
             self.waiting.get_or_create(policy).set(gate.rollout.waiting_pods.len() as i64);
+            for &phase in RolloutPhase::VARIANTS {
+                self.rollout_phase
+                    .get_or_create(&phase_labels(policy, phase))
+                    .set((gate.rollout.phase == phase).into());
+            }
         }
     }
 
@@ -254,6 +288,9 @@ impl Metrics {
         }
         self.duration.remove(policy);
         self.gate_wait.remove(policy);
+        for &phase in RolloutPhase::VARIANTS {
+            self.rollout_phase.remove(&phase_labels(policy, phase));
+        }
         for f in crate::crd::Finding::ALL {
             let labels = FindingLabels {
                 namespace: policy.namespace.clone(),
@@ -308,7 +345,6 @@ impl Metrics {
 
     /// The connections as they are now: one series per broker address and purpose
     /// (`declarations`, `events`); connections let go of lose theirs.
-    /// Each connection's state, by purpose: `declarations` and `events`.
     pub fn broker_connections(&self, declarations: &[(String, bool)], events: &[(String, bool)]) {
         self.broker_up.clear();
         for (connection, states) in [("declarations", declarations), ("events", events)] {
@@ -321,6 +357,13 @@ impl Metrics {
 
     pub fn leading(&self, leader: bool) {
         self.leader.set(leader.into());
+    }
+
+    /// Every sample name the operator exports, as Prometheus stores it (`_total` on counters,
+    /// `_bucket`, `_sum` and `_count` of histograms), whether or not it has series yet: a family
+    /// without series has no line in the exposition at all.
+    pub fn sample_names(&self) -> &[String] {
+        &self.names
     }
 
     /// The Prometheus text exposition.
@@ -348,8 +391,8 @@ fn set_opt(family: &Family<QueueLabels, Gauge>, labels: &QueueLabels, value: Opt
 mod tests {
     use super::*;
     use crate::{
-        crd::{DeadLetterObservation, QueueObservation},
-        status::{Check, Reason},
+        crd::{ConsumersObservation, DeadLetterObservation, QueueObservation, RolloutObservation},
+        status::{Check, GateReport, Reason},
     };
 
     fn labels() -> PolicyLabels {
@@ -419,5 +462,50 @@ mod tests {
         let text = m.render();
         assert!(!text.contains(r#"policy="orders""#), "a deleted policy's series are gone:\n{text}");
         assert!(!text.contains("amqp://old"), "a connection let go of has no series:\n{text}");
+    }
+
+    #[test]
+    fn every_sample_rendered_has_its_name_among_the_sample_names() {
+        let m = Metrics::default();
+        m.reconciled(&labels(), Duration::from_millis(20), Some("kube"));
+        m.gate_opened(&labels(), Duration::from_millis(800));
+        m.broker_connections(&[("amqp://rabbitmq:5672/%2F".into(), true)], &[]);
+        let text = m.render();
+        let rendered: HashSet<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split(['{', ' ']).next().unwrap())
+            .collect();
+        assert!(rendered.len() >= 7, "{rendered:?}");
+        for name in rendered {
+            assert!(m.sample_names().iter().any(|n| n == name), "{name} is not in {:?}", m.sample_names());
+        }
+        assert!(m.sample_names().iter().any(|n| n == "queueguard_pattern_queues_deleted_total"), "with no series yet");
+    }
+
+    #[test]
+    fn the_rollout_phase_is_one_series_at_one_among_zeros_and_goes_with_the_policy() {
+        let m = Metrics::default();
+        let mut outcome = Outcome::blocked(Check::ok(Reason::Declared, "ok"));
+        outcome.gate = Some(GateReport {
+            consumers_attached: Check::ok(Reason::Declared, "ok"),
+            rollout_safe: Check::ok(Reason::Declared, "ok"),
+            consumers: ConsumersObservation { attached: 1, expected: 2, ..Default::default() },
+            rollout: RolloutObservation { phase: RolloutPhase::Stalled, waiting_pods: vec![Default::default()] },
+            budgets: vec![],
+        });
+        m.record_outcome(&labels(), &outcome);
+        let text = m.render();
+        let phase = |p: &str| {
+            line(&text, &format!(r#"queueguard_rollout_phase{{namespace="shop",policy="orders",phase="{p}"}}"#))
+                .to_owned()
+        };
+        assert!(phase("Stalled").ends_with(" 1"));
+        for other in ["Idle", "Progressing", "WaitingForAttach"] {
+            assert!(phase(other).ends_with(" 0"), "{}", phase(other));
+        }
+        assert!(text.contains(r#"queueguard_gate_pods_waiting{namespace="shop",policy="orders"} 1"#));
+        m.forget(&labels());
+        assert!(!m.render().contains("queueguard_rollout_phase{"), "a deleted policy's phases are gone");
     }
 }

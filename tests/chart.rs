@@ -141,7 +141,8 @@ fn every_manifest_is_a_well_formed_kubernetes_object() {
                 "MutatingWebhookConfiguration" => drop(round_trip::<MutatingWebhookConfiguration>(doc)),
                 "CustomResourceDefinition" => drop(round_trip::<CustomResourceDefinition>(doc)),
                 // Third-party kinds without k8s-openapi types: their shape is checked below.
-                "ServiceMonitor" | "Certificate" | "Issuer" => {
+                "ConfigMap" => drop(round_trip::<k8s_openapi::api::core::v1::ConfigMap>(doc)),
+                "ServiceMonitor" | "Certificate" | "Issuer" | "PrometheusRule" => {
                     assert!(doc["spec"].is_object(), "{doc}");
                 }
                 other => panic!("unexpected kind {other} in {values:?}"),
@@ -347,4 +348,33 @@ fn values_schema_refuses_wrong_types_and_unknown_keys() {
     }
     let (ok, _, stderr) = run_helm(&["template", "qg", CHART, "--namespace", RELEASE_NS, "--set", "replicaCount=3"]);
     assert!(ok, "a valid value is accepted: {stderr}");
+}
+
+#[test]
+fn the_prometheus_rule_and_the_dashboard_are_the_shipped_files_and_off_by_default() {
+    let defaults = render(None, &[]);
+    assert!(of_kind(&defaults, "PrometheusRule").is_empty() && of_kind(&defaults, "ConfigMap").is_empty());
+
+    let docs = render(Some("charts/queueguard/ci/all-enabled-values.yaml"), &[]);
+    let rule = of_kind(&docs, "PrometheusRule");
+    assert_eq!(rule.len(), 1);
+    assert_eq!(rule[0]["metadata"]["labels"]["release"], "kube-prometheus-stack", "the ruleSelector's label");
+    let file: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(root().join("charts/queueguard/files/alerts.yaml")).unwrap())
+            .unwrap();
+    assert_eq!(rule[0]["spec"]["groups"], file["groups"], "the PrometheusRule carries files/alerts.yaml as it is");
+    let description = rule[0]["spec"]["groups"][0]["rules"][0]["annotations"]["summary"].as_str().unwrap();
+    assert!(description.contains("{{ $labels.namespace }}"), "Prometheus's templates pass through helm: {description}");
+
+    let maps = of_kind(&docs, "ConfigMap");
+    assert_eq!(maps.len(), 1);
+    let map = maps[0];
+    assert_eq!(map["metadata"]["labels"]["grafana_dashboard"], "1", "the sidecar's label");
+    assert_eq!(map["metadata"]["namespace"], "monitoring");
+    assert_eq!(map["metadata"]["annotations"]["grafana_folder"], "Operators");
+    let shipped: Value =
+        serde_json::from_str(&std::fs::read_to_string(root().join("charts/queueguard/files/dashboard.json")).unwrap())
+            .unwrap();
+    let rendered: Value = serde_json::from_str(map["data"]["queueguard.json"].as_str().unwrap()).unwrap();
+    assert_eq!(rendered, shipped, "the ConfigMap carries files/dashboard.json as it is");
 }
