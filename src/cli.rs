@@ -71,6 +71,23 @@ pub enum Command {
     /// as one namespace; kinds it does not know are skipped.
     #[command(after_long_help = crate::check::output::rules_help())]
     Check(CheckArgs),
+    /// Per QueuePolicy in the cluster (kubeconfig, or in-cluster): its queue, depth, consumers
+    /// attached against expected, the rollout phase and, for each pod the gate holds, what it
+    /// waits for. Installed or linked as `kubectl-queueguard`, this is `kubectl queueguard status`.
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    /// Namespace (default: the kubeconfig context's).
+    #[arg(short = 'n', long)]
+    pub namespace: Option<String>,
+    /// Every namespace.
+    #[arg(short = 'A', long, conflicts_with = "namespace")]
+    pub all_namespaces: bool,
+    /// Output format: a table, or a JSON array with one object per policy.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+    pub output: Output,
 }
 
 #[derive(clap::Args, Debug)]
@@ -279,8 +296,23 @@ pub struct ApplyArgs {
     pub addresses: Option<String>,
 }
 
+/// The name kubectl runs a plugin by: `kubectl-queueguard` answers `kubectl queueguard ...`.
+const KUBECTL_PLUGIN: &str = "kubectl-queueguard";
+
+/// Parses the command line; run as the kubectl plugin, help and errors say `kubectl queueguard`.
+fn parse() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let invoked = std::env::args_os().next().map(PathBuf::from);
+    let as_plugin = invoked.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == KUBECTL_PLUGIN);
+    let mut command = Cli::command();
+    if as_plugin {
+        command = command.bin_name("kubectl queueguard");
+    }
+    Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit())
+}
+
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse();
     // The controller logs its work; one-shot commands speak through their output.
     let default_level = if matches!(cli.command, Command::Run(_)) { "info" } else { "warn" };
     init_logging(cli.log_format, default_level);
@@ -300,6 +332,7 @@ pub fn main() -> ExitCode {
             Command::Consumers(args) => consumers(args).await,
             Command::Demo(args) => demo(args).await,
             Command::Check(args) => check(args),
+            Command::Status(args) => status(args).await,
             // Flag mistakes first: they need no cluster to be reported.
             Command::Run(args) => match async { controller::run(args.config()?).await }.await {
                 Ok(()) => ExitCode::SUCCESS,
@@ -310,6 +343,35 @@ pub fn main() -> ExitCode {
             },
         }
     })
+}
+
+async fn status(args: StatusArgs) -> ExitCode {
+    use crate::overview::{self, Scope};
+    let client = match kube::Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: no Kubernetes cluster to read (KUBECONFIG, ~/.kube/config or in-cluster): {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let scope = match (args.all_namespaces, args.namespace) {
+        (true, _) => Scope::AllNamespaces,
+        (false, Some(ns)) => Scope::Namespace(ns),
+        (false, None) => Scope::Namespace(client.default_namespace().to_owned()),
+    };
+    match overview::list(client, &scope).await {
+        Ok(rows) => {
+            match args.output {
+                Output::Table => print!("{}", overview::table(&rows, k8s_openapi::jiff::Timestamp::now())),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&rows).expect("rows serialize")),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: cannot list QueuePolicies: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 async fn apply(args: ApplyArgs) -> ExitCode {

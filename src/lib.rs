@@ -27,6 +27,7 @@ pub mod http;
 pub mod leader;
 pub mod local;
 pub mod metrics;
+pub mod overview;
 pub mod pass;
 pub mod pattern;
 pub mod plan;
