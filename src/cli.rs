@@ -75,6 +75,39 @@ pub enum Command {
     /// attached against expected, the rollout phase and, for each pod the gate holds, what it
     /// waits for. Installed or linked as `kubectl-queueguard`, this is `kubectl queueguard status`.
     Status(StatusArgs),
+    /// Before removing the operator: stop it (--operator-deployment, scaled to zero, waited
+    /// for), then remove its finalizer from every QueuePolicy and QueuePattern, so deleting them,
+    /// their namespaces or the CRDs never waits for an operator that is gone. Never touches the
+    /// broker: every queue stays, and each policy with deletionPolicy Delete is named. Also names
+    /// the Deployments whose pod template carries the readiness gate. The chart runs it as a
+    /// pre-delete hook.
+    Uninstall(UninstallArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct UninstallArgs {
+    /// Only the namespace the operator watches (its `run --namespace`); default: every namespace.
+    #[arg(long)]
+    pub namespace: Option<String>,
+    /// The operator's Deployment, NAMESPACE/NAME: scaled to zero first, so it cannot add the
+    /// finalizers back.
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = namespaced_name)]
+    pub operator_deployment: Option<(String, String)>,
+    /// How long to wait for the operator's pods to go.
+    #[arg(long, default_value = "120s", value_parser = crate::duration::parse)]
+    pub wait: std::time::Duration,
+    /// Say what would be done, and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+fn namespaced_name(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok((ns.to_owned(), name.to_owned()))
+        }
+        _ => Err("expected NAMESPACE/NAME".to_owned()),
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -333,6 +366,7 @@ pub fn main() -> ExitCode {
             Command::Demo(args) => demo(args).await,
             Command::Check(args) => check(args),
             Command::Status(args) => status(args).await,
+            Command::Uninstall(args) => uninstall(args).await,
             // Flag mistakes first: they need no cluster to be reported.
             Command::Run(args) => match async { controller::run(args.config()?).await }.await {
                 Ok(()) => ExitCode::SUCCESS,
@@ -369,6 +403,30 @@ async fn status(args: StatusArgs) -> ExitCode {
         }
         Err(e) => {
             eprintln!("error: cannot list QueuePolicies: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn uninstall(args: UninstallArgs) -> ExitCode {
+    use crate::uninstall::{Options, run};
+    let client = match kube::Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: no Kubernetes cluster (KUBECONFIG, ~/.kube/config or in-cluster): {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let options = Options {
+        namespace: args.namespace,
+        operator: args.operator_deployment,
+        wait: args.wait,
+        dry_run: args.dry_run,
+    };
+    match run(client, &options, |line| println!("{line}")).await {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }

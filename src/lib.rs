@@ -37,6 +37,7 @@ pub mod settings;
 pub mod simulation;
 pub mod status;
 pub mod tls;
+pub mod uninstall;
 pub mod webhook;
 
 #[cfg(test)]

@@ -29,6 +29,9 @@ pub enum Feature {
     LeaderElection,
     /// The webhook with a certificate the operator issues itself (not cert-manager).
     WebhookSelfSigned,
+    /// The chart's pre-delete hook (`queueguard uninstall`), which stops the operator's own
+    /// Deployment before removing the finalizers.
+    UninstallHook,
 }
 
 pub const RULES: &[Rule] = &[
@@ -63,6 +66,20 @@ pub const RULES: &[Rule] = &[
         verbs: &["get", "create", "update"],
         scope: Scope::Own,
         feature: Some(Feature::WebhookSelfSigned),
+    },
+    Rule {
+        group: "apps",
+        resource: "deployments",
+        verbs: &["get"],
+        scope: Scope::Own,
+        feature: Some(Feature::UninstallHook),
+    },
+    Rule {
+        group: "apps",
+        resource: "deployments/scale",
+        verbs: &["patch"],
+        scope: Scope::Own,
+        feature: Some(Feature::UninstallHook),
     },
     Rule {
         group: "admissionregistration.k8s.io",

@@ -131,6 +131,7 @@ fn every_manifest_is_a_well_formed_kubernetes_object() {
         for doc in &docs {
             match doc["kind"].as_str().unwrap_or_default() {
                 "Deployment" => drop(round_trip::<Deployment>(doc)),
+                "Job" => drop(round_trip::<k8s_openapi::api::batch::v1::Job>(doc)),
                 "ServiceAccount" => drop(round_trip::<ServiceAccount>(doc)),
                 "Service" => drop(round_trip::<Service>(doc)),
                 "ClusterRole" => drop(round_trip::<ClusterRole>(doc)),
@@ -302,10 +303,13 @@ fn expected(features: &[Feature]) -> BTreeSet<(String, String, String, &'static 
 #[test]
 fn rbac_grants_exactly_what_the_code_uses() {
     let cases: [(Option<&str>, &[Feature]); 4] = [
-        (None, &[Feature::LeaderElection]),
-        (Some("charts/queueguard/ci/all-enabled-values.yaml"), &[Feature::LeaderElection, Feature::WebhookSelfSigned]),
-        (Some("charts/queueguard/ci/cert-manager-values.yaml"), &[Feature::LeaderElection]),
-        (Some("charts/queueguard/ci/namespace-scope-values.yaml"), &[Feature::LeaderElection]),
+        (None, &[Feature::LeaderElection, Feature::UninstallHook]),
+        (
+            Some("charts/queueguard/ci/all-enabled-values.yaml"),
+            &[Feature::LeaderElection, Feature::WebhookSelfSigned, Feature::UninstallHook],
+        ),
+        (Some("charts/queueguard/ci/cert-manager-values.yaml"), &[Feature::LeaderElection, Feature::UninstallHook]),
+        (Some("charts/queueguard/ci/namespace-scope-values.yaml"), &[Feature::LeaderElection, Feature::UninstallHook]),
     ];
     for (values, features) in cases {
         let docs = render(values, &[]);
@@ -377,4 +381,41 @@ fn the_prometheus_rule_and_the_dashboard_are_the_shipped_files_and_off_by_defaul
             .unwrap();
     let rendered: Value = serde_json::from_str(map["data"]["queueguard.json"].as_str().unwrap()).unwrap();
     assert_eq!(rendered, shipped, "the ConfigMap carries files/dashboard.json as it is");
+}
+
+#[test]
+fn helm_uninstall_first_stops_the_operator_and_removes_its_finalizers() {
+    for values in VALUE_FILES {
+        let docs = render(values, &[]);
+        let jobs = of_kind(&docs, "Job");
+        assert_eq!(jobs.len(), 1, "{values:?}");
+        let job = jobs[0];
+        assert_eq!(job["metadata"]["annotations"]["helm.sh/hook"], "pre-delete");
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            container["image"],
+            deployment(&docs).spec.unwrap().template.spec.unwrap().containers[0].image.clone().unwrap()
+        );
+        // The arguments, parsed by the operator's own command line.
+        let args: Vec<String> = serde_json::from_value(container["args"].clone()).unwrap();
+        let cli = queueguard::cli::Cli::try_parse_from(std::iter::once("queueguard".to_owned()).chain(args)).unwrap();
+        let queueguard::cli::Command::Uninstall(u) = cli.command else { panic!("not uninstall: {container}") };
+        let operator = deployment(&docs);
+        assert_eq!(
+            u.operator_deployment,
+            Some((RELEASE_NS.to_owned(), operator.metadata.name.clone().unwrap())),
+            "it stops this release's operator"
+        );
+        assert_eq!(u.namespace, run_args(&operator).namespace, "the same scope as the operator");
+        assert!(!u.dry_run);
+        // Its Role reaches only the operator's own Deployment, and the hook's RBAC comes first.
+        let role =
+            of_kind(&docs, "Role").into_iter().find(|r| r["metadata"]["name"] == job["metadata"]["name"]).unwrap();
+        for rule in role["rules"].as_array().unwrap() {
+            assert_eq!(rule["resourceNames"], serde_json::json!([operator.metadata.name.clone().unwrap()]));
+        }
+        assert_eq!(role["metadata"]["annotations"]["helm.sh/hook-weight"], "-10");
+    }
+    let off = render(None, &["--set", "uninstall.removeFinalizers=false"]);
+    assert!(of_kind(&off, "Job").is_empty());
 }
