@@ -187,7 +187,7 @@ fn crd_prints_the_committed_crd_and_help_explains_each_command() {
     assert_eq!(printed(&["crd", "--kind", "queue-pattern"]), pattern);
     assert_eq!(printed(&["crd"]), format!("{policy}{pattern}"), "both, ready for kubectl apply -f -");
     let help = String::from_utf8(queueguard(&["--help"], None).stdout).unwrap();
-    for command in ["run", "crd", "apply"] {
+    for command in ["run", "crd", "apply", "consumers", "demo", "check", "status", "uninstall"] {
         assert!(help.lines().any(|l| l.trim_start().starts_with(command)), "{command} in {help}");
     }
     let apply_help = String::from_utf8(queueguard(&["apply", "--help"], None).stdout).unwrap();
