@@ -379,15 +379,17 @@ pub fn main() -> ExitCode {
     })
 }
 
+/// The cluster the kubeconfig (or the pod's service account) names; says why not on stderr.
+async fn cluster_client() -> Option<kube::Client> {
+    kube::Client::try_default()
+        .await
+        .inspect_err(|e| eprintln!("error: no Kubernetes cluster (KUBECONFIG, ~/.kube/config or in-cluster): {e}"))
+        .ok()
+}
+
 async fn status(args: StatusArgs) -> ExitCode {
     use crate::overview::{self, Scope};
-    let client = match kube::Client::try_default().await {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: no Kubernetes cluster to read (KUBECONFIG, ~/.kube/config or in-cluster): {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let Some(client) = cluster_client().await else { return ExitCode::FAILURE };
     let scope = match (args.all_namespaces, args.namespace) {
         (true, _) => Scope::AllNamespaces,
         (false, Some(ns)) => Scope::Namespace(ns),
@@ -410,13 +412,7 @@ async fn status(args: StatusArgs) -> ExitCode {
 
 async fn uninstall(args: UninstallArgs) -> ExitCode {
     use crate::uninstall::{Options, run};
-    let client = match kube::Client::try_default().await {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: no Kubernetes cluster (KUBECONFIG, ~/.kube/config or in-cluster): {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let Some(client) = cluster_client().await else { return ExitCode::FAILURE };
     let options = Options {
         namespace: args.namespace,
         operator: args.operator_deployment,
