@@ -165,21 +165,21 @@ async fn declare_dead_letter(plan: &QueuePlan, broker: &Broker) -> Result<DeadLe
     let amqp = &broker.amqp;
     let ch = amqp.channel().await?;
     let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    amqp.bounded(ch.exchange_declare(
+    ch.run(ch.exchange_declare(
         s.dead_letter_exchange.as_str().into(),
         ExchangeKind::Direct,
         durable,
         FieldTable::default(),
     ))
     .await?;
-    let dlq = amqp
-        .bounded(ch.queue_declare(
+    let dlq = ch
+        .run(ch.queue_declare(
             plan.dead_letter_queue.as_str().into(),
             durable_queue(),
             field_table(&settings::dead_letter_queue_arguments(plan)),
         ))
         .await?;
-    amqp.bounded(ch.queue_bind(
+    ch.run(ch.queue_bind(
         plan.dead_letter_queue.as_str().into(),
         s.dead_letter_exchange.as_str().into(),
         s.dead_letter_routing_key.as_str().into(),
@@ -196,9 +196,8 @@ async fn declare_dead_letter(plan: &QueuePlan, broker: &Broker) -> Result<DeadLe
 
 async fn declare_queue(plan: &QueuePlan, broker: &Broker) -> Result<QueueObservation, StepError> {
     let ch = broker.amqp.channel().await?;
-    let q = broker
-        .amqp
-        .bounded(ch.queue_declare(
+    let q = ch
+        .run(ch.queue_declare(
             plan.queue.as_str().into(),
             durable_queue(),
             field_table(&settings::queue_arguments(plan)),
@@ -306,8 +305,8 @@ async fn apply_bindings(plan: &QueuePlan, broker: &Broker, previous: &[Binding])
         Err(e) => return (applied, Some(e.into())),
     };
     for b in &plan.bindings {
-        let bound = amqp
-            .bounded(ch.queue_bind(
+        let bound = ch
+            .run(ch.queue_bind(
                 plan.queue.as_str().into(),
                 b.exchange.as_str().into(),
                 b.routing_key.as_str().into(),
@@ -327,8 +326,8 @@ async fn apply_bindings(plan: &QueuePlan, broker: &Broker, previous: &[Binding])
             Ok(ch) => ch,
             Err(e) => return (applied, Some(e.into())),
         };
-        let unbound = amqp
-            .bounded(ch.queue_unbind(
+        let unbound = ch
+            .run(ch.queue_unbind(
                 plan.queue.as_str().into(),
                 b.exchange.as_str().into(),
                 b.routing_key.as_str().into(),
@@ -483,9 +482,8 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
     }
     if let Ok(ch) = broker.amqp.channel().await {
         // Another queue may still use the exchange; then it stays.
-        let _ = broker
-            .amqp
-            .bounded(ch.exchange_delete(
+        let _ = ch
+            .run(ch.exchange_delete(
                 plan.settings.dead_letter_exchange.as_str().into(),
                 ExchangeDeleteOptions { if_unused: true, ..Default::default() },
             ))
@@ -515,7 +513,7 @@ fn blocked(queue: &str, detail: &str) -> Check {
 async fn passive_counts(broker: &Broker, queue: &str) -> Option<(u32, u32)> {
     let ch = broker.amqp.channel().await.ok()?;
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-    let q = broker.amqp.bounded(ch.queue_declare(queue.into(), passive, FieldTable::default())).await.ok()?;
+    let q = ch.run(ch.queue_declare(queue.into(), passive, FieldTable::default())).await.ok()?;
     Some((q.message_count(), q.consumer_count()))
 }
 
@@ -555,7 +553,7 @@ async fn delete_queue_if_idle(plan: &QueuePlan, broker: &Broker, vhost: &str, qu
             }
         };
         let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-        let q = match amqp.bounded(ch.queue_declare(queue.into(), passive, FieldTable::default())).await {
+        let q = match ch.run(ch.queue_declare(queue.into(), passive, FieldTable::default())).await {
             Ok(q) => q,
             Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => return Ok(()),
             Err(e) => return Err(e.into()),
@@ -569,7 +567,7 @@ async fn delete_queue_if_idle(plan: &QueuePlan, broker: &Broker, vhost: &str, qu
         }
         QueueDeleteOptions::default()
     };
-    match amqp.bounded(ch.queue_delete(queue.into(), options)).await {
+    match ch.run(ch.queue_delete(queue.into(), options)).await {
         Ok(_) => Ok(()),
         Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => Ok(()),
         Err(AmqpError::Refused(r)) if r.code == PRECONDITION_FAILED => {

@@ -132,7 +132,7 @@ impl AmqpEndpoint {
         let (conn, generation) = self.connection().await?;
         let channel = match self.take_idle(generation) {
             Some(channel) => channel,
-            None => self.bounded(conn.create_channel()).await?,
+            None => self.run_on(generation, conn.create_channel()).await?,
         };
         Ok(PooledChannel { endpoint: self, generation, channel: Some(channel) })
     }
@@ -212,6 +212,47 @@ impl AmqpEndpoint {
         Connection::connect_uri_with_config(uri, props, tls, runtime).await
     }
 
+    /// Runs `op` on connection `generation` (see [`PooledChannel::run`]).
+    async fn run_on<T>(
+        &self,
+        generation: u64,
+        op: impl std::future::Future<Output = lapin::Result<T>>,
+    ) -> Result<T, AmqpError> {
+        match tokio::time::timeout(OPERATION_TIMEOUT, op).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                if connection_failed(&e) {
+                    self.forget(generation).await;
+                }
+                Err(self.classify(e))
+            }
+            Err(_) => {
+                self.forget(generation).await;
+                Err(AmqpError::Lost {
+                    endpoint: self.display(),
+                    detail: format!("no answer within {}s", OPERATION_TIMEOUT.as_secs()),
+                })
+            }
+        }
+    }
+
+    /// Lets go of connection `generation` (if it is still the current one) and its idle
+    /// channels, closing it in the background so a half-open one does not linger.
+    async fn forget(&self, generation: u64) {
+        let mut state = self.state.lock().await;
+        if let Some((conn, g)) = &state.conn
+            && *g == generation
+        {
+            let conn = conn.clone();
+            state.conn = None;
+            tracing::info!(broker = %self.display(), "connection lost; the next operation connects afresh");
+            tokio::spawn(async move {
+                let _ = conn.close(200, "lost".into()).await;
+            });
+        }
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).retain(|(g, _)| *g != generation);
+    }
+
     fn unreachable(&self, detail: String, retry_in: Duration) -> AmqpError {
         AmqpError::Unreachable { endpoint: self.display(), detail, retry_in }
     }
@@ -268,6 +309,28 @@ impl PooledChannel<'_> {
     /// True while the broker has not closed the channel.
     pub fn is_open(&self) -> bool {
         self.status().connected()
+    }
+
+    /// Runs one operation on this channel within [`OPERATION_TIMEOUT`]. When its failure shows
+    /// the connection itself is gone (an IO error, a hard error, no answer), the connection is
+    /// let go at once: lapin can still report a reset connection open for a moment (measured
+    /// on the cluster: the retry after a node's `kill -9` reused it and failed again), and the
+    /// retry must connect afresh, through the next node of a cluster.
+    pub async fn run<T>(&self, op: impl std::future::Future<Output = lapin::Result<T>>) -> Result<T, AmqpError> {
+        self.endpoint.run_on(self.generation, op).await
+    }
+}
+
+/// Whether an error means the connection is gone, not just the channel.
+fn connection_failed(e: &lapin::Error) -> bool {
+    match e.kind() {
+        ErrorKind::ProtocolError(_) => !e.is_amqp_soft_error(),
+        ErrorKind::IOError(_)
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::MissingHeartbeatError
+        | ErrorKind::ParsingError(_)
+        | ErrorKind::SerialisationError(_) => true,
+        _ => false,
     }
 }
 
