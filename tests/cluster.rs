@@ -358,7 +358,12 @@ async fn a_rolling_restart_of_the_broker_during_consumer_rollouts_loses_nothing(
     }
     eprintln!("rolling restart of qa, qb, qc took {:?}", restarting.elapsed());
     done.store(true, std::sync::atomic::Ordering::SeqCst);
-    let report = rollouts.await.unwrap().expect("the rollouts finish");
+    // Bounded, so a hang fails here with its cause instead of holding CI until its deadline.
+    let report = tokio::time::timeout(Duration::from_secs(180), rollouts)
+        .await
+        .expect("the rollouts finish within 3 minutes of the restart")
+        .unwrap()
+        .expect("the rollouts finish");
     eprintln!("{}", simulation::table(std::slice::from_ref(&report)));
     assert!(report.restarts > 2, "rollouts ran throughout the broker restart: {report:?}");
     assert!(report.reconnects > 0, "consumers had to reconnect: {report:?}");

@@ -477,7 +477,8 @@ async fn publish(
             }
         };
         let sent = publish_on(&conn, &queues, every, &mut seq, &published, &stop).await;
-        let _ = conn.close(200, "done".into()).await;
+        // Bounded like every broker wait here: a close-ok that never comes must not hold the run.
+        let _ = pod::bounded(conn.close(200, "done".into())).await;
         if let Err(e) = sent {
             tracing::info!(error = %e, "demo publisher reconnecting");
             failing_since.get_or_insert_with(Instant::now);
@@ -495,8 +496,8 @@ async fn publish_on(
     published: &AtomicU64,
     stop: &AtomicBool,
 ) -> lapin::Result<()> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let ch = pod::bounded(conn.create_channel()).await?;
+    pod::bounded(ch.confirm_select(ConfirmSelectOptions::default())).await?;
     while !stop.load(Ordering::SeqCst) {
         let body = seq.to_string();
         let queue = &queues[*seq as usize % queues.len()];

@@ -295,7 +295,7 @@ async fn attach_and_work(
                     if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
                         tally.record(seq);
                     }
-                    d.ack(BasicAckOptions::default()).await?;
+                    bounded(d.ack(BasicAckOptions::default())).await?;
                 }
                 Some(Err(e)) => return Err(e),
                 None => return Ok(Ended::Lost),
@@ -311,9 +311,9 @@ async fn attach_and_work(
         if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
             tally.record(seq);
         }
-        d.ack(BasicAckOptions::default()).await?;
+        bounded(d.ack(BasicAckOptions::default())).await?;
     }
-    let _ = ch.close(200, "bye".into()).await;
-    let _ = conn.close(200, "bye".into()).await;
+    let _ = bounded(ch.close(200, "bye".into())).await;
+    let _ = bounded(conn.close(200, "bye".into())).await;
     Ok(Ended::Stopped)
 }
