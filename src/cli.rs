@@ -336,7 +336,7 @@ const KUBECTL_PLUGIN: &str = "kubectl-queueguard";
 fn parse() -> Cli {
     use clap::{CommandFactory, FromArgMatches};
     let invoked = std::env::args_os().next().map(PathBuf::from);
-    let as_plugin = invoked.as_deref().and_then(|p| p.file_name()).is_some_and(|n| n == KUBECTL_PLUGIN);
+    let as_plugin = invoked.as_deref().and_then(|p| p.file_stem()).is_some_and(|n| n == KUBECTL_PLUGIN);
     let mut command = Cli::command();
     if as_plugin {
         command = command.bin_name("kubectl queueguard");

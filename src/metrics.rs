@@ -265,15 +265,20 @@ impl Metrics {
                 }
             }
         }
-        if let Some(gate) = &outcome.gate {
-            self.attached.get_or_create(policy).set(gate.consumers.attached.into());
-            self.expected.get_or_create(policy).set(gate.consumers.expected.into());
-            self.waiting.get_or_create(policy).set(gate.rollout.waiting_pods.len() as i64);
-            for &phase in RolloutPhase::VARIANTS {
-                self.rollout_phase
-                    .get_or_create(&phase_labels(policy, phase))
-                    .set((gate.rollout.phase == phase).into());
+        match &outcome.gate {
+            Some(gate) => {
+                self.attached.get_or_create(policy).set(gate.consumers.attached.into());
+                self.expected.get_or_create(policy).set(gate.consumers.expected.into());
+                self.waiting.get_or_create(policy).set(gate.rollout.waiting_pods.len() as i64);
+                for &phase in RolloutPhase::VARIANTS {
+                    self.rollout_phase
+                        .get_or_create(&phase_labels(policy, phase))
+                        .set((gate.rollout.phase == phase).into());
+                }
             }
+            // No gate any more (spec.consumers removed, or the spec invalid): its last values
+            // must not keep an alert firing.
+            None => self.forget_gate(policy),
         }
     }
 
@@ -281,16 +286,20 @@ impl Metrics {
         self.gate_wait.get_or_create(policy).observe(waited.as_secs_f64());
     }
 
-    /// A deleted policy's series go with it.
-    pub fn forget(&self, policy: &PolicyLabels) {
+    fn forget_gate(&self, policy: &PolicyLabels) {
         for family in [&self.attached, &self.expected, &self.waiting] {
             family.remove(policy);
         }
-        self.duration.remove(policy);
-        self.gate_wait.remove(policy);
         for &phase in RolloutPhase::VARIANTS {
             self.rollout_phase.remove(&phase_labels(policy, phase));
         }
+    }
+
+    /// A deleted policy's series go with it.
+    pub fn forget(&self, policy: &PolicyLabels) {
+        self.forget_gate(policy);
+        self.duration.remove(policy);
+        self.gate_wait.remove(policy);
         for f in crate::crd::Finding::ALL {
             let labels = FindingLabels {
                 namespace: policy.namespace.clone(),
@@ -505,6 +514,11 @@ mod tests {
             assert!(phase(other).ends_with(" 0"), "{}", phase(other));
         }
         assert!(text.contains(r#"queueguard_gate_pods_waiting{namespace="shop",policy="orders"} 1"#));
+        // spec.consumers removed: the next pass has no gate, and the Stalled series goes.
+        m.record_outcome(&labels(), &Outcome::blocked(Check::ok(Reason::Declared, "ok")));
+        let text = m.render();
+        assert!(!text.contains("queueguard_rollout_phase{") && !text.contains("queueguard_gate_pods"), "{text}");
+        m.record_outcome(&labels(), &outcome);
         m.forget(&labels());
         assert!(!m.render().contains("queueguard_rollout_phase{"), "a deleted policy's phases are gone");
     }

@@ -74,6 +74,7 @@ pub const RULES: &[Rule] = &[
         scope: Scope::Own,
         feature: Some(Feature::UninstallHook),
     },
+    Rule { group: "", resource: "pods", verbs: &["list"], scope: Scope::Own, feature: Some(Feature::UninstallHook) },
     Rule {
         group: "apps",
         resource: "deployments/scale",

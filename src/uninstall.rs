@@ -14,7 +14,7 @@ use crate::{
     gate::GATE_CONDITION,
     pattern::crd::QueuePattern,
 };
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::{ListParams, Patch, PatchParams},
@@ -102,9 +102,11 @@ pub enum UninstallError {
     #[error(transparent)]
     Kube(#[from] kube::Error),
     #[error(
-        "Deployment {namespace}/{name} still has {replicas} pod(s) after {waited:?}; finalizers not removed, or the operator would add them back"
+        "Deployment {namespace}/{name} still has {pods} pod(s) after {waited:?}; no finalizer removed, or the operator would add them back (it stays scaled to zero: find why its pods do not stop, then run this again, or scale it back up)"
     )]
-    OperatorStillRunning { namespace: String, name: String, replicas: i32, waited: Duration },
+    OperatorStillRunning { namespace: String, name: String, pods: usize, waited: Duration },
+    #[error("Deployment {namespace}/{name} has no matchLabels selector to find its pods by")]
+    NoSelector { namespace: String, name: String },
     #[error("{failed} finalizer(s) could not be removed; run it again")]
     Incomplete { failed: usize },
 }
@@ -129,17 +131,16 @@ pub async fn run(client: Client, options: &Options, mut say: impl FnMut(&str)) -
         stop_operator(&client, ns, name, options.wait).await?;
         say(&format!("stopped the operator: Deployment {ns}/{name} has no pods"));
     }
-    let lp = ListParams::default();
     let (policies, patterns, deployments) = match &options.namespace {
         Some(ns) => (
-            Api::<QueuePolicy>::namespaced(client.clone(), ns).list(&lp).await?.items,
-            Api::<QueuePattern>::namespaced(client.clone(), ns).list(&lp).await?.items,
-            Api::<Deployment>::namespaced(client.clone(), ns).list(&lp).await?.items,
+            list_all(&Api::<QueuePolicy>::namespaced(client.clone(), ns)).await?,
+            list_all(&Api::<QueuePattern>::namespaced(client.clone(), ns)).await?,
+            list_all(&Api::<Deployment>::namespaced(client.clone(), ns)).await?,
         ),
         None => (
-            Api::<QueuePolicy>::all(client.clone()).list(&lp).await?.items,
-            Api::<QueuePattern>::all(client.clone()).list(&lp).await?.items,
-            Api::<Deployment>::all(client.clone()).list(&lp).await?.items,
+            list_all(&Api::<QueuePolicy>::all(client.clone())).await?,
+            list_all(&Api::<QueuePattern>::all(client.clone())).await?,
+            list_all(&Api::<Deployment>::all(client.clone())).await?,
         ),
     };
     let plan = plan(&policies, &patterns, &deployments);
@@ -180,20 +181,46 @@ pub async fn run(client: Client, options: &Options, mut say: impl FnMut(&str)) -
     Ok(plan)
 }
 
+/// Every object, a page at a time (a cluster's Deployments can be many).
+async fn list_all<K>(api: &Api<K>) -> Result<Vec<K>, kube::Error>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut items = Vec::new();
+    let mut params = ListParams::default().limit(500);
+    loop {
+        let page = api.list(&params).await?;
+        items.extend(page.items);
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => return Ok(items),
+        }
+    }
+}
+
+/// Scales the operator to zero and waits until none of its pods is left, terminating ones
+/// included: a pod in its grace period still reconciles, and would add a finalizer back.
 async fn stop_operator(client: &Client, ns: &str, name: &str, wait: Duration) -> Result<(), UninstallError> {
     let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
     api.patch_scale(name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 0}}))).await?;
+    let labels = api.get(name).await?.spec.and_then(|s| s.selector.match_labels).unwrap_or_default();
+    if labels.is_empty() {
+        return Err(UninstallError::NoSelector { namespace: ns.to_owned(), name: name.to_owned() });
+    }
+    let selector: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let params = ListParams::default().labels(&selector.join(","));
     let started = Instant::now();
     loop {
-        let replicas = api.get(name).await?.status.and_then(|s| s.replicas).unwrap_or(0);
-        if replicas == 0 {
+        let left = pods.list(&params).await?.items.len();
+        if left == 0 {
             return Ok(());
         }
         if started.elapsed() >= wait {
             return Err(UninstallError::OperatorStillRunning {
                 namespace: ns.to_owned(),
                 name: name.to_owned(),
-                replicas,
+                pods: left,
                 waited: wait,
             });
         }

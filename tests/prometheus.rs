@@ -117,7 +117,7 @@ impl Prometheus {
         std::fs::write(
             dir.join("prometheus.yml"),
             format!(
-                "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: [alerts.yaml]\nscrape_configs:\n  - job_name: queueguard\n    static_configs: [{{targets: ['{target}']}}]\n"
+                "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: [alerts.yaml]\nscrape_configs:\n  - job_name: queueguard\n    honor_labels: true\n    static_configs: [{{targets: ['{target}']}}]\n"
             ),
         )
         .unwrap();

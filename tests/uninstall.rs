@@ -31,11 +31,35 @@ fn with_finalizer(mut v: Value, deleting: bool) -> Value {
     v
 }
 
-fn operator(replicas: i32) -> Value {
+fn operator() -> Value {
     json!({"apiVersion": "apps/v1", "kind": "Deployment",
            "metadata": {"name": "qg-queueguard", "namespace": "qg"},
-           "spec": {"selector": {}, "template": {"spec": {"containers": []}}},
-           "status": {"replicas": replicas}})
+           "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "queueguard", "app.kubernetes.io/instance": "qg"}},
+                    "template": {"spec": {"containers": []}}},
+           "status": {"replicas": 0}})
+}
+
+const PODS: &str = "/api/v1/namespaces/qg/pods";
+
+/// The operator's pods, `n` of them (terminating ones count: they still reconcile).
+fn pods(n: usize) -> Value {
+    let items = (0..n)
+        .map(|i| {
+            json!({"metadata": {"name": format!("qg-queueguard-{i}"), "namespace": "qg",
+        "deletionTimestamp": "2026-12-05T10:00:00Z"}})
+        })
+        .collect();
+    list("PodList", items)
+}
+
+async fn expect_pods(api: &mut ApiServer, n: usize) {
+    let call = api.expect("GET", PODS).await;
+    assert!(
+        call.query.contains("labelSelector=app.kubernetes.io%2Finstance%3Dqg%2Capp.kubernetes.io%2Fname%3Dqueueguard"),
+        "its pods, by the Deployment's selector: {}",
+        call.query
+    );
+    call.respond(StatusCode::OK, &pods(n));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,9 +96,11 @@ async fn the_operator_stops_first_then_every_finalizer_goes_and_every_queue_stay
             &json!({"apiVersion": "autoscaling/v1", "kind": "Scale",
             "metadata": {"name": "qg-queueguard", "namespace": "qg"}, "spec": {"replicas": 0}}),
         );
-        // Its pods take a moment to go: nothing else happens until they have.
-        api.expect("GET", OPERATOR).await.respond(StatusCode::OK, &operator(2));
-        api.expect("GET", OPERATOR).await.respond(StatusCode::OK, &operator(0));
+        // Its pods take a moment to go, terminating in their grace period (the Deployment
+        // already counts none): nothing else happens until they have.
+        api.expect("GET", OPERATOR).await.respond(StatusCode::OK, &operator());
+        expect_pods(&mut api, 2).await;
+        expect_pods(&mut api, 0).await;
         api.expect("GET", POLICIES)
             .await
             .respond(StatusCode::OK, &list("QueuePolicyList", vec![kept_json.clone(), deleting_json.clone()]));
@@ -143,10 +169,10 @@ async fn an_operator_that_does_not_stop_keeps_its_finalizers_and_a_dry_run_chang
     let (client, mut api) = mock_client();
     let server = tokio::spawn(async move {
         api.expect("PATCH", &format!("{OPERATOR}/scale")).await.respond(StatusCode::OK, &json!({"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": "qg-queueguard"}, "spec": {}}));
+        api.expect("GET", OPERATOR).await.respond(StatusCode::OK, &operator());
         loop {
             // Still running, for as long as it is asked: no list, no patch follows.
-            let call = api.expect("GET", OPERATOR).await;
-            call.respond(StatusCode::OK, &operator(1));
+            expect_pods(&mut api, 1).await;
         }
     });
     let stuck = Options {
@@ -157,7 +183,7 @@ async fn an_operator_that_does_not_stop_keeps_its_finalizers_and_a_dry_run_chang
     };
     let err = run(client, &stuck, |_| {}).await.unwrap_err();
     assert!(
-        err.to_string().contains("still has 1 pod(s)") && err.to_string().contains("finalizers not removed"),
+        err.to_string().contains("still has 1 pod(s)") && err.to_string().contains("no finalizer removed"),
         "{err}"
     );
     server.abort();

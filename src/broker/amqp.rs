@@ -148,12 +148,9 @@ impl AmqpEndpoint {
     /// can still read open just after its connection died: the generation tells.
     fn take_idle(&self, generation: u64) -> Option<Channel> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some((g, channel)) = idle.pop() {
-            if g == generation && channel.status().connected() {
-                return Some(channel);
-            }
-        }
-        None
+        // Channels of an earlier connection (returned after it was let go) leave the pool.
+        idle.retain(|(g, channel)| *g == generation && channel.status().connected());
+        idle.pop().map(|(_, channel)| channel)
     }
 
     async fn connection(&self) -> Result<(Arc<Connection>, u64), AmqpError> {
