@@ -137,10 +137,11 @@ impl AmqpEndpoint {
         Ok(PooledChannel { endpoint: self, generation, channel: Some(channel) })
     }
 
-    /// A channel of its own, outside the pool, for a long-lived subscription.
-    pub async fn dedicated_channel(&self) -> Result<Channel, AmqpError> {
-        let (conn, _) = self.connection().await?;
-        self.bounded(conn.create_channel()).await
+    /// A channel of its own, outside the pool, for a long-lived subscription, with the
+    /// generation of its connection (for [`Self::run_on`]).
+    pub async fn dedicated_channel(&self) -> Result<(Channel, u64), AmqpError> {
+        let (conn, generation) = self.connection().await?;
+        Ok((self.run_on(generation, conn.create_channel()).await?, generation))
     }
 
     /// An idle channel of the current connection. A lost connection marks itself failed before
@@ -210,7 +211,7 @@ impl AmqpEndpoint {
     }
 
     /// Runs `op` on connection `generation` (see [`PooledChannel::run`]).
-    async fn run_on<T>(
+    pub async fn run_on<T>(
         &self,
         generation: u64,
         op: impl std::future::Future<Output = lapin::Result<T>>,
@@ -261,22 +262,6 @@ impl AmqpEndpoint {
                 AmqpError::Refused(Refusal { code: amqp.get_id(), text: amqp.get_message().to_string() })
             }
             _ => AmqpError::Lost { endpoint: self.display(), detail: self.uri.redact(&describe(&e)) },
-        }
-    }
-
-    /// Runs one operation within [`OPERATION_TIMEOUT`]. On a timeout the connection is let go,
-    /// so the next operation connects afresh instead of queueing behind a hung broker.
-    pub async fn bounded<T>(&self, op: impl std::future::Future<Output = lapin::Result<T>>) -> Result<T, AmqpError> {
-        match tokio::time::timeout(OPERATION_TIMEOUT, op).await {
-            Ok(result) => result.map_err(|e| self.classify(e)),
-            Err(_) => {
-                self.state.lock().await.conn = None;
-                self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
-                Err(AmqpError::Lost {
-                    endpoint: self.display(),
-                    detail: format!("no answer within {}s", OPERATION_TIMEOUT.as_secs()),
-                })
-            }
         }
     }
 }

@@ -518,23 +518,29 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError
         }
         other => SubscribeError::Connection(other.to_string()),
     };
-    let ch = amqp.dedicated_channel().await.map_err(err)?;
+    let (ch, generation) = amqp.dedicated_channel().await.map_err(err)?;
     let private = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-    let q = amqp.bounded(ch.queue_declare("".into(), private, FieldTable::default())).await.map_err(err)?;
+    let q = amqp.run_on(generation, ch.queue_declare("".into(), private, FieldTable::default())).await.map_err(err)?;
     for key in events::BINDINGS {
-        amqp.bounded(ch.queue_bind(
-            q.name().clone(),
-            EVENT_EXCHANGE.into(),
-            key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        ))
+        amqp.run_on(
+            generation,
+            ch.queue_bind(
+                q.name().clone(),
+                EVENT_EXCHANGE.into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            ),
+        )
         .await
         .map_err(err)?;
     }
     let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
     let mut deliveries = amqp
-        .bounded(ch.basic_consume(q.name().clone(), "queueguard-events".into(), no_ack, FieldTable::default()))
+        .run_on(
+            generation,
+            ch.basic_consume(q.name().clone(), "queueguard-events".into(), no_ack, FieldTable::default()),
+        )
         .await
         .map_err(err)?;
     t.set_events(Ok(()));

@@ -86,9 +86,8 @@ async fn round_trip(broker: &Broker) -> Option<f64> {
     let channel = broker.amqp.channel().await.ok()?;
     let started = Instant::now();
     let options = ExchangeDeclareOptions { passive: true, ..Default::default() };
-    broker
-        .amqp
-        .bounded(channel.exchange_declare("amq.direct".into(), ExchangeKind::Direct, options, FieldTable::default()))
+    channel
+        .run(channel.exchange_declare("amq.direct".into(), ExchangeKind::Direct, options, FieldTable::default()))
         .await
         .ok()?;
     Some(started.elapsed().as_secs_f64() * 1000.0)
