@@ -381,7 +381,7 @@ pub fn main() -> ExitCode {
 
 /// The cluster the kubeconfig (or the pod's service account) names; says why not on stderr.
 async fn cluster_client() -> Option<kube::Client> {
-    kube::Client::try_default()
+    crate::kube_api::client()
         .await
         .inspect_err(|e| eprintln!("error: no Kubernetes cluster (KUBECONFIG, ~/.kube/config or in-cluster): {e}"))
         .ok()

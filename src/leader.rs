@@ -107,6 +107,15 @@ pub enum ReleaseError {
     Unanswered(Duration),
 }
 
+/// Why [`LeaderElector::hold`] stopped holding the Lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldEnd {
+    /// Not renewed in time, or taken by another replica: it is not ours to release.
+    Lost,
+    /// Still ours, but this replica cannot do its work: release it so a standby takes over.
+    Unfit,
+}
+
 pub struct LeaderElector {
     api: Api<Lease>,
     cfg: LeaseConfig,
@@ -169,27 +178,34 @@ impl LeaderElector {
     }
 
     /// Renews the Lease (held since `renewed`, as [`Self::acquire`] returns) until a renewal has
-    /// not succeeded for `renew_deadline`, or someone else holds it; then returns, and the caller
-    /// must stop acting as leader. Each renewal is cut off at that deadline: kube's client has no
-    /// read timeout, and a request to an API server that stopped answering would otherwise keep
-    /// this replica acting after its Lease expired and another took it.
-    pub async fn hold(&self, mut renewed: Instant) {
+    /// not succeeded for `renew_deadline`, someone else holds it, or `unfit` says this replica
+    /// can no longer do a leader's work; then returns why, and the caller must stop acting as
+    /// leader. Each renewal is cut off at that deadline: an API server that stopped answering
+    /// must not keep this replica acting after its Lease expired and another took it.
+    pub async fn hold(&self, mut renewed: Instant, unfit: impl Fn() -> bool) -> HoldEnd {
         loop {
             tokio::time::sleep(self.cfg.retry_period).await;
+            // The Lease renews on requests of its own: it says nothing of the leader's other
+            // writes (a pod condition stuck on a dead connection, say), so it is not kept for
+            // a replica that cannot do its work.
+            if unfit() {
+                tracing::error!(lease = %self.cfg.name, "giving up the lease: this replica cannot do a leader's work");
+                return HoldEnd::Unfit;
+            }
             let deadline = renewed + self.cfg.renew_deadline;
             let started = Instant::now();
             match tokio::time::timeout_at(deadline, self.try_once()).await {
                 Ok(Ok(true)) => renewed = started,
                 Ok(Ok(false)) => {
                     tracing::error!(lease = %self.cfg.name, "another replica holds the lease");
-                    return;
+                    return HoldEnd::Lost;
                 }
                 Ok(Err(e)) => tracing::warn!(lease = %self.cfg.name, error = %e, "could not renew the lease"),
                 Err(_) => {}
             }
             if Instant::now() >= renewed + self.cfg.renew_deadline {
                 tracing::error!(lease = %self.cfg.name, "lease not renewed within the renew deadline");
-                return;
+                return HoldEnd::Lost;
             }
         }
     }

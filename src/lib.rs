@@ -24,6 +24,7 @@ pub mod events;
 pub mod findings;
 pub mod gate;
 pub mod http;
+pub mod kube_api;
 pub mod leader;
 pub mod local;
 pub mod metrics;

@@ -6,7 +6,7 @@ mod common;
 use common::api::*;
 use http::StatusCode;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use queueguard::leader::{LeaderElector, LeaseConfig};
+use queueguard::leader::{HoldEnd, LeaderElector, LeaseConfig};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -101,7 +101,7 @@ async fn an_expired_lease_is_taken_over_with_the_version_read_and_a_lost_race_is
 #[tokio::test]
 async fn the_leader_steps_down_when_another_replica_holds_the_lease() {
     let (elector, mut api) = elector();
-    let hold = tokio::spawn(async move { elector.hold(tokio::time::Instant::now()).await });
+    let hold = tokio::spawn(async move { elector.hold(tokio::time::Instant::now(), || false).await });
     api.expect("GET", LEASE).await.respond(StatusCode::OK, &lease("pod-a", 1, "50"));
     let renew = api.expect("PUT", LEASE).await;
     assert_eq!(renew.body["spec"]["holderIdentity"], "pod-a");
@@ -109,7 +109,8 @@ async fn the_leader_steps_down_when_another_replica_holds_the_lease() {
     renew.respond(StatusCode::OK, &body);
     assert!(!hold.is_finished(), "renewed: still leading");
     api.expect("GET", LEASE).await.respond(StatusCode::OK, &lease("pod-b", 0, "51"));
-    tokio::time::timeout(Duration::from_secs(5), hold).await.expect("hold returns").unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), hold).await.expect("hold returns").unwrap();
+    assert_eq!(end, HoldEnd::Lost);
 }
 
 #[tokio::test]
@@ -137,7 +138,7 @@ async fn release_on_shutdown_hands_the_lease_over_at_once() {
 async fn a_leader_whose_api_server_stops_answering_steps_down_by_the_renew_deadline() {
     let (elector, mut api) = short_elector();
     let since = tokio::time::Instant::now();
-    let hold = tokio::spawn(async move { elector.hold(since).await });
+    let hold = tokio::spawn(async move { elector.hold(since, || false).await });
     // One renewal answered, then the API server takes the next request and never answers.
     api.expect("GET", LEASE).await.respond(StatusCode::OK, &lease("pod-a", 0, "70"));
     let renew = api.expect("PUT", LEASE).await;
@@ -145,7 +146,8 @@ async fn a_leader_whose_api_server_stops_answering_steps_down_by_the_renew_deadl
     let renewed = std::time::Instant::now();
     renew.respond(StatusCode::OK, &body);
     let _hung = api.expect("GET", LEASE).await;
-    tokio::time::timeout(Duration::from_secs(3), hold).await.expect("hold returns though the request hangs").unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(3), hold).await.expect("hold returns though the request hangs");
+    assert_eq!(end.unwrap(), HoldEnd::Lost);
     let stepped_down = renewed.elapsed();
     eprintln!("stepped down {stepped_down:?} after the last renewal (renew deadline 1 s, Lease 1.5 s)");
     assert!(stepped_down < Duration::from_millis(1_500), "before the Lease expired: {stepped_down:?}");

@@ -43,6 +43,10 @@ use std::{
 };
 use tokio::sync::{Notify, broadcast::error::RecvError, mpsc, watch};
 
+/// How long the pod-condition writer may go without an answer from the API server before the
+/// leader gives its Lease up: two requests cut off at their deadline in a row.
+pub const WRITER_STALL: Duration = Duration::from_secs(2 * crate::kube_api::REQUEST_TIMEOUT.as_secs());
+
 /// How long a reconcile waits for the gate's watches to sync before it retries.
 const SYNC_WAIT: Duration = Duration::from_secs(30);
 
@@ -56,6 +60,9 @@ pub struct Gate {
     timer: Arc<Notify>,
     synced: watch::Sender<bool>,
     relists: Mutex<Relists>,
+    /// Since when the pod-condition writer has had a patch out and no answer from the API server
+    /// (None: idle, or answered since).
+    unanswered_since: Mutex<Option<tokio::time::Instant>>,
 }
 
 /// Objects of a watch's re-list, until its end says which others are gone.
@@ -100,6 +107,7 @@ impl Gate {
             timer: Arc::default(),
             synced: watch::channel(false).0,
             relists: Mutex::default(),
+            unanswered_since: Mutex::default(),
         });
         tokio::spawn(write_conditions(Arc::downgrade(&gate), client, recorder, metrics, write_rx));
         tokio::spawn(run_timers(Arc::downgrade(&gate), gate.timer.clone()));
@@ -134,6 +142,12 @@ impl Gate {
             let _ = self.wake.send(ObjectRef::new(&key.name).within(&key.namespace));
         }
         self.timer.notify_one();
+    }
+
+    /// How long the pod-condition writer has had work and no answer from the API server: a
+    /// leader whose writer cannot write must let another replica lead (see `controller::run`).
+    pub fn writer_unanswered(&self) -> Option<Duration> {
+        lock(&self.unanswered_since).map(|since| since.elapsed())
     }
 
     /// Whether every watch has delivered its first list.
@@ -378,7 +392,9 @@ async fn run_timers(gate: Weak<Gate>, timer: Arc<Notify>) {
     }
 }
 
-/// The one writer of pod conditions: each patch in order, and its Event on the pod beside.
+/// The one writer of pod conditions: each patch in order, and its Event on the pod beside. Every
+/// request is bounded (`kube_api`), so a patch the API server never answers fails, is tried again
+/// later, and holds the next pod's patch back only that long.
 async fn write_conditions(
     gate: Weak<Gate>,
     client: Client,
@@ -388,7 +404,16 @@ async fn write_conditions(
 ) {
     while let Some(patch) = patches.recv().await {
         let api: Api<Pod> = Api::namespaced(client.clone(), &patch.namespace);
-        match api.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await {
+        if let Some(g) = gate.upgrade() {
+            lock(&g.unanswered_since).get_or_insert_with(tokio::time::Instant::now);
+        }
+        let written = api.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await;
+        if matches!(written, Ok(_) | Err(kube::Error::Api(_)))
+            && let Some(g) = gate.upgrade()
+        {
+            *lock(&g.unanswered_since) = None;
+        }
+        match written {
             Ok(_) => {
                 // The next pod's condition does not wait for this one's Event.
                 tokio::spawn(publish_on_pod(recorder.clone(), patch.clone()));

@@ -16,7 +16,7 @@ use crate::{
     findings,
     gate::index::{ObjectKey, Unbound},
     http::{Endpoints, Health},
-    leader::LeaderElector,
+    leader::{HoldEnd, LeaderElector},
     metrics::{Metrics, PolicyLabels},
     pass,
     pattern::crd::QueuePattern,
@@ -75,6 +75,8 @@ pub enum Error {
     MissingUid,
     #[error("lost the leader lease")]
     LeadershipLost,
+    #[error("gave up the leader lease: the pod-condition writer has had no answer from the API server for {0:?}")]
+    WriterStalled(Duration),
     #[error("the gate's watches (QueuePolicies, Deployments, Pods, PodDisruptionBudgets) have not synced yet")]
     NotSynced,
     #[error("--leader-election needs this replica's name: set POD_NAME or --pod-name")]
@@ -98,7 +100,7 @@ impl Error {
             Self::Finalizer(_) => "finalizer",
             Self::InvalidSelector(_) => "invalid_selector",
             Self::MissingUid => "missing_uid",
-            Self::LeadershipLost => "leadership_lost",
+            Self::LeadershipLost | Self::WriterStalled(_) => "leadership_lost",
             Self::NotSynced => "not_synced",
             Self::MissingPodName
             | Self::MissingNamespace { .. }
@@ -217,7 +219,7 @@ pub struct RunConfig {
 /// replica, the controller on the leader only.
 pub async fn run(config: RunConfig) -> Result<(), Error> {
     let RunConfig { namespace, connection_name, http_addr, lease, webhook } = config;
-    let client = Client::try_default().await?;
+    let client = crate::kube_api::client().await?;
     let ctx = Arc::new(Context::new(client.clone(), &connection_name));
     let health = Arc::new(Health::new(lease.is_some()));
     let endpoints = Arc::new(Endpoints {
@@ -248,19 +250,25 @@ pub async fn run(config: RunConfig) -> Result<(), Error> {
     };
     health.set_leading(true);
     ctx.metrics.leading(true);
+    let writer = ctx.gate.clone();
     let controller = run_controller(namespace.as_deref(), ctx, health);
+    let stalled = || writer.writer_unanswered().filter(|d| *d >= gate::WRITER_STALL);
     let outcome = match &elector {
         Some((e, since)) => tokio::select! {
             () = controller => Ok(()),
-            () = e.hold(*since) => Err(Error::LeadershipLost),
+            end = e.hold(*since, || stalled().is_some()) => Err(match end {
+                HoldEnd::Lost => Error::LeadershipLost,
+                HoldEnd::Unfit => Error::WriterStalled(stalled().unwrap_or(gate::WRITER_STALL)),
+            }),
         },
         None => {
             controller.await;
             Ok(())
         }
     };
+    // A lost Lease is not ours to release; a stalled writer's is, so a standby need not wait it out.
     if let Some((e, _)) = &elector
-        && outcome.is_ok()
+        && matches!(outcome, Ok(()) | Err(Error::WriterStalled(_)))
         && let Err(err) = e.release().await
     {
         tracing::warn!(error = %err, "could not release the leader lease");

@@ -13,6 +13,14 @@ pub fn mock_client() -> (Client, ApiServer) {
     (Client::new(service, "default"), ApiServer(handle))
 }
 
+/// [`mock_client`] with every request but a watch bounded, as the operator's own client is
+/// (`queueguard::kube_api`), here by `timeout`.
+pub fn bounded_mock_client(timeout: Duration) -> (Client, ApiServer) {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let service = tower::Layer::layer(&queueguard::kube_api::Bounded::new(timeout), service);
+    (Client::new(service, "default"), ApiServer(handle))
+}
+
 pub struct ApiServer(pub Handle<Request<Body>, Response<Body>>);
 
 pub struct Call {
