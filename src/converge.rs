@@ -11,6 +11,7 @@ use crate::{
         management::ManagementError,
         refusal::{ACCESS_REFUSED, Inequivalence, NOT_FOUND, PRECONDITION_FAILED, Refusal},
     },
+    claims::Claims,
     crd::{Binding, DeadLetterObservation, QueueObservation, QueueType, SettingsMode},
     duration::Human,
     plan::QueuePlan,
@@ -24,7 +25,7 @@ use lapin::{
     },
     types::{AMQPValue, FieldTable},
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// How the queue itself is checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -453,7 +454,8 @@ pub enum Cleanup {
 
 /// deletionPolicy: Delete. Deletes the queue only if it is empty and unused, then the
 /// dead-letter queue under the same rule, the dead-letter exchange if nothing else uses it, and
-/// the operator's policy.
+/// the operator's policy. A queue or exchange another QueuePolicy or QueuePattern names
+/// (`claims`) stays, whatever it holds: another policy's dead letters still go there.
 ///
 /// For a classic queue the broker checks both atomically (`if-unused`, `if-empty`). Quorum
 /// queues refuse those flags, and with a connection-level close (540 NOT_IMPLEMENTED) that would
@@ -462,15 +464,21 @@ pub enum Cleanup {
 /// management API's unacknowledged messages), and the queue is deleted without flags. The
 /// remaining race: a message published or a consumer attached between that check and the
 /// delete (one round trip) goes with the queue.
-pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
+pub async fn delete(plan: &QueuePlan, broker: &Broker, claims: &Claims) -> Cleanup {
     let vhost = broker.vhost().to_owned();
-    for queue in [&plan.queue, &plan.dead_letter_queue] {
+    let mut deleted = Vec::new();
+    let mut kept = Vec::new();
+    for (what, queue) in [("queue", &plan.queue), ("dead-letter queue", &plan.dead_letter_queue)] {
+        if let Some(users) = claims.queue(queue) {
+            kept.push(format!("{what} '{queue}' ({} names it)", joined(users)));
+            continue;
+        }
         let outcome = match delete_queue_if_idle(plan, broker, &vhost, queue).await {
             Err(NotDeleted::Broker(StepError::Lost(_))) => delete_queue_if_idle(plan, broker, &vhost, queue).await,
             other => other,
         };
         match outcome {
-            Ok(()) => {}
+            Ok(()) => deleted.push(format!("{what} '{queue}'")),
             Err(NotDeleted::Broker(StepError::Unreachable(msg) | StepError::Lost(msg))) => {
                 return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, msg));
             }
@@ -480,24 +488,38 @@ pub async fn delete(plan: &QueuePlan, broker: &Broker) -> Cleanup {
             }
         }
     }
-    if let Ok(ch) = broker.amqp.channel().await {
-        // Another queue may still use the exchange; then it stays.
-        let _ = ch
-            .run(ch.exchange_delete(
-                plan.settings.dead_letter_exchange.as_str().into(),
-                ExchangeDeleteOptions { if_unused: true, ..Default::default() },
-            ))
-            .await;
+    let exchange = plan.settings.dead_letter_exchange.as_str();
+    match claims.exchange(exchange) {
+        Some(users) => kept.push(format!("dead-letter exchange '{exchange}' ({} names it)", joined(users))),
+        None => {
+            if let Ok(ch) = broker.amqp.channel().await {
+                // Another queue may still be bound to the exchange; then it stays.
+                let _ = ch
+                    .run(ch.exchange_delete(
+                        exchange.into(),
+                        ExchangeDeleteOptions { if_unused: true, ..Default::default() },
+                    ))
+                    .await;
+            }
+        }
     }
     if plan.mode == SettingsMode::Policy
         && let Err(e) = broker.management.delete_policy(&vhost, &plan.policy_name).await
     {
         return Cleanup::Blocked(Check::unknown(Reason::BrokerUnreachable, e.to_string()));
     }
-    Cleanup::Deleted(format!(
-        "deleted queue '{}', dead-letter queue '{}' and their settings from vhost '{vhost}'",
-        plan.queue, plan.dead_letter_queue
-    ))
+    let mut note = format!("deleted {} and their settings from vhost '{vhost}'", deleted.join(", "));
+    if deleted.is_empty() {
+        note = format!("deleted the settings of queue '{}' from vhost '{vhost}'", plan.queue);
+    }
+    if !kept.is_empty() {
+        note.push_str(&format!("; kept {}", kept.join(", ")));
+    }
+    Cleanup::Deleted(note)
+}
+
+fn joined(users: &BTreeSet<String>) -> String {
+    users.iter().cloned().collect::<Vec<_>>().join(", ")
 }
 
 fn blocked(queue: &str, detail: &str) -> Check {

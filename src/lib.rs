@@ -14,6 +14,7 @@
 
 pub mod broker;
 pub mod check;
+pub mod claims;
 pub mod cli;
 pub mod consumers;
 pub mod controller;

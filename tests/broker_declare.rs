@@ -11,8 +11,10 @@ use lapin::{
 };
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool},
+    claims::Claims,
     consumers::TrackerPool,
     converge::{self, Cleanup, Mode},
+    pattern::crd::QueuePattern,
     status::{Reason, Truth},
 };
 use serde_json::{Value, json};
@@ -356,7 +358,7 @@ async fn delete_policy_removes_only_an_empty_unused_queue() {
     assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
     publish(&name, ["keep me".to_string()]).await;
 
-    let Cleanup::Blocked(check) = converge::delete(&plan, &broker).await else {
+    let Cleanup::Blocked(check) = converge::delete(&plan, &broker, &Claims::default()).await else {
         panic!("a queue with a message must not be deleted")
     };
     assert_eq!(check.reason, Reason::DeletionBlocked);
@@ -366,9 +368,45 @@ async fn delete_policy_removes_only_an_empty_unused_queue() {
     let (_conn, ch) = app().await;
     let got = ch.basic_get(name.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap();
     assert!(got.is_some());
-    assert!(matches!(converge::delete(&plan, &broker).await, Cleanup::Deleted(_)));
+    assert!(matches!(converge::delete(&plan, &broker, &Claims::default()).await, Cleanup::Deleted(_)));
     assert!(!exists(&name).await && !exists(&plan.dead_letter_queue).await);
     assert!(mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name))).await.is_none());
+}
+
+/// Two policies dead-lettering into one exchange and queue: deleting one (deletionPolicy
+/// Delete, everything empty) leaves both to the other, whose rejected message still lands.
+#[tokio::test]
+async fn deleting_a_policy_keeps_the_dead_letter_queue_and_exchange_another_policy_names() {
+    let (dlx, dead) = (unique("shared-dlx"), unique("shared-dead"));
+    let shared = format!("queue: {{deadLetter: {{exchange: {dlx}, queue: {dead}}}}}\n  deletionPolicy: Delete");
+    let (a, b) = (policy_doc(&unique("share-a"), &shared), policy_doc(&unique("share-b"), &shared));
+    let (plan_a, plan_b) = (plan_of(&a), plan_of(&b));
+    let pool = BrokerPool::new(unique("conn"));
+    for plan in [&plan_a, &plan_b] {
+        assert!(converge::converge(plan, &broker(&pool, plan), &[], Mode::Declare).await.is_ready());
+    }
+
+    let claims =
+        queueguard::claims::others(&a, &plan_a, &[a.clone(), b.clone()], &[] as &[QueuePattern], Default::default());
+    let Cleanup::Deleted(note) = converge::delete(&plan_a, &broker(&pool, &plan_a), &claims).await else {
+        panic!("an empty, unused queue is deleted")
+    };
+    assert!(!exists(&plan_a.queue).await, "its own queue goes");
+    assert!(exists(&dead).await, "the shared dead-letter queue stays");
+    assert!(
+        note.contains(&format!("kept dead-letter queue '{dead}'")) && note.contains(&b.metadata.name.clone().unwrap()),
+        "{note}"
+    );
+    assert!(mgmt_get(&format!("exchanges/%2F/{}", enc(&dlx))).await.is_some(), "the shared exchange stays: {note}");
+
+    // The other policy's dead letters still arrive.
+    publish(&plan_b.queue, ["poison".to_string()]).await;
+    let (_conn, ch) = app().await;
+    let got = ch.basic_get(plan_b.queue.as_str().into(), BasicGetOptions::default()).await.unwrap().unwrap();
+    got.delivery.reject(BasicRejectOptions { requeue: false }).await.unwrap();
+    assert!(eventually(Duration::from_secs(5), || async { counts(&dead).await == Some((1, 0)) }).await);
+    remove_all(&plan_b).await;
+    remove_all(&plan_a).await;
 }
 
 #[tokio::test]
@@ -431,7 +469,7 @@ async fn a_quorum_queue_is_deleted_only_when_empty_and_unused_without_closing_th
         Cleanup::Blocked(check) => check,
         other => panic!("expected blocked, got {other:?}"),
     };
-    let check = blocked(converge::delete(&plan, &broker).await);
+    let check = blocked(converge::delete(&plan, &broker, &Claims::default()).await);
     assert_eq!(check.reason, Reason::DeletionBlocked);
     assert!(check.message.contains("1 ready messages"), "{}", check.message);
 
@@ -444,21 +482,21 @@ async fn a_quorum_queue_is_deleted_only_when_empty_and_unused_without_closing_th
         .await
         .unwrap();
     let delivery = consumer.next().await.unwrap().unwrap();
-    let check = blocked(converge::delete(&plan, &broker).await);
+    let check = blocked(converge::delete(&plan, &broker, &Claims::default()).await);
     assert!(check.message.contains("1 consumers"), "a consumer is attached: {}", check.message);
     ch.basic_cancel("holder".into(), Default::default()).await.unwrap();
     let unacked_seen = eventually(Duration::from_secs(15), || async {
         mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.is_some_and(|q| q["messages_unacknowledged"] == 1)
     });
     assert!(unacked_seen.await);
-    let check = blocked(converge::delete(&plan, &broker).await);
+    let check = blocked(converge::delete(&plan, &broker, &Claims::default()).await);
     assert!(check.message.contains("1 unacknowledged"), "{}", check.message);
     delivery.ack(Default::default()).await.unwrap();
     drop(consumer);
     drop(ch);
 
     let deleted = eventually(Duration::from_secs(15), || async {
-        matches!(converge::delete(&plan, &broker).await, Cleanup::Deleted(_))
+        matches!(converge::delete(&plan, &broker, &Claims::default()).await, Cleanup::Deleted(_))
     });
     assert!(deleted.await, "empty and unused once the ack is in the statistics");
     assert!(!exists(&name).await && !exists(&plan.dead_letter_queue).await);

@@ -18,7 +18,7 @@ use lapin::{
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool, uri::BrokerUri},
     consumers::{Change, ConsumerTracker, QueueKey, TrackerPool, Tracking, tracker::STATS_LAG},
-    controller::Context,
+    controller::{Context, gate::QueueWatch},
     converge::{self, Mode},
     gate::index::ObjectKey,
     pass,
@@ -247,7 +247,8 @@ async fn killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_sec
     let p = policy_doc(&name, "queue: {type: quorum}\n  consumers: {deployment: worker, minAttachedSeconds: 0}");
     watched(&ctx, &[&p], &[worker_deployment(json!({"type": "RollingUpdate"}))], &[worker_pod(None)], &[]);
     let key = QueueKey::new("/", &name);
-    ctx.gate.bind(&ObjectKey::of(&p), Ok((t.clone(), key.clone())));
+    let dead_letter_queue = QueueKey::new("/", format!("{name}.dlq"));
+    ctx.gate.bind(&ObjectKey::of(&p), Ok(QueueWatch { tracker: t.clone(), queue: key.clone(), dead_letter_queue }));
 
     // The pod (127.0.0.1, as every client here) consumes through qc.
     let (_conn, ch) = cluster.app(2, "worker-abc-1").await;

@@ -16,9 +16,10 @@ use k8s_openapi::{
 };
 use kube::runtime::controller::Action;
 use queueguard::{
-    controller::{self, Context, FINALIZER},
+    controller::{self, Context, FINALIZER, gate::QueueWatch},
     crd::QueuePolicy,
     gate::index::ObjectKey,
+    pattern::crd::QueuePattern,
 };
 use serde_json::{Value, json};
 use std::{sync::Arc, time::Duration};
@@ -236,6 +237,96 @@ async fn deleting_with_retain_leaves_the_queue_and_releases_the_finalizer() {
     server.await.unwrap();
 }
 
+/// A Delete policy sharing its dead-letter exchange and queue with another policy (as the
+/// controllers' caches hold them) deletes its own queue and leaves both shared ones.
+#[tokio::test]
+async fn deleting_with_delete_leaves_what_another_policy_names() {
+    let (dlx, dead) = (unique("ctrl-shared-dlx"), unique("ctrl-shared-dead"));
+    let shared = format!("queue: {{deadLetter: {{exchange: {dlx}, queue: {dead}}}}}\n  deletionPolicy: Delete");
+    let (name, other) = (unique("ctrl-share-a"), unique("ctrl-share-b"));
+    let mut p = with_finalizer(policy_doc(&name, &shared));
+    let b = policy_doc(&other, &shared);
+    let pool = queueguard::broker::BrokerPool::new(unique("conn"));
+    for plan in [plan_of(&p), plan_of(&b)] {
+        assert!(
+            queueguard::converge::converge(&plan, &broker(&pool, &plan), &[], queueguard::converge::Mode::Declare)
+                .await
+                .is_ready()
+        );
+    }
+    p.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
+
+    let (ctx, mut api) = harness();
+    let (policies, mut policy_writer) = kube::runtime::reflector::store();
+    let (patterns, mut pattern_writer) = kube::runtime::reflector::store::<QueuePattern>();
+    ctx.know_others(controller::Others { policies, patterns });
+    use kube::runtime::watcher::Event;
+    for event in [Event::Init, Event::InitApply(p.clone()), Event::InitApply(b.clone()), Event::InitDone] {
+        policy_writer.apply_watcher_event(&event);
+    }
+    pattern_writer.apply_watcher_event(&Event::Init);
+    pattern_writer.apply_watcher_event(&Event::InitDone);
+
+    let n = name.clone();
+    let (kept, by) = (format!("kept dead-letter queue '{dead}'"), format!("QueuePolicy test/{other}"));
+    let echo = serde_json::to_value(&p).unwrap();
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        let event = api.expect_event("QueueDeleted", "Normal").await;
+        let note = event["note"].as_str().unwrap();
+        assert!(note.contains(&kept) && note.contains(&by), "{note}");
+        api.expect("PATCH", &format!("{POLICIES}/{n}")).await.respond(StatusCode::OK, &echo.clone());
+    });
+    assert_eq!(run(p.clone(), ctx).await.unwrap(), Action::await_change());
+    server.await.unwrap();
+    assert!(!exists(&name).await, "its own queue is gone");
+    assert!(exists(&dead).await, "the shared dead-letter queue stays");
+    remove_all(&plan_of(&b)).await;
+    remove_all(&plan_of(&p)).await;
+}
+
+/// A Delete policy whose spec turned invalid after its queue was declared keeps its finalizer
+/// (the queue stays, and so does the policy) and says why; one never declared lets go.
+#[tokio::test]
+async fn deleting_with_delete_and_an_invalid_spec_keeps_a_declared_queue_and_the_finalizer() {
+    let name = unique("ctrl-invalid-delete");
+    let mut p = with_finalizer(policy_doc(&name, "queue: {expires: 1s}\n  deletionPolicy: Delete"));
+    p.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
+    p.status =
+        Some(serde_json::from_value(json!({"queue": {"name": name, "vhost": "/", "messagesReady": 3}})).unwrap());
+    let (ctx, mut api) = harness();
+    let n = name.clone();
+    let echo = serde_json::to_value(&p).unwrap();
+    let server = tokio::spawn(async move {
+        let (status, call) = api.expect_status_patch(&n).await;
+        let ready = condition(&status, "Ready");
+        assert_eq!(ready["reason"], "DeletionBlocked");
+        let message = ready["message"].as_str().unwrap();
+        assert!(message.contains("spec.queue.expires") && message.contains("deletionPolicy: Retain"), "{message}");
+        call.respond(StatusCode::OK, &echo);
+        api.expect_event("DeletionBlocked", "Warning").await;
+        api
+    });
+    let err = run(p.clone(), ctx).await.unwrap_err();
+    assert!(matches!(err, controller::Error::DeletionBlocked(_)), "{err:?}");
+    let mut api = server.await.unwrap();
+    expect_silence(&mut api, Duration::from_millis(300)).await;
+
+    // Never declared: nothing on the broker is its, and the finalizer goes.
+    p.status = None;
+    let (ctx, mut api) = harness();
+    let echo = serde_json::to_value(&p).unwrap();
+    let server = tokio::spawn(async move {
+        let call = api.expect("PATCH", &format!("{POLICIES}/{name}")).await;
+        assert!(call.body.as_array().unwrap().iter().any(|op| op["op"] == "remove"), "{}", call.body);
+        call.respond(StatusCode::OK, &echo);
+    });
+    assert_eq!(run(p, ctx).await.unwrap(), Action::await_change());
+    server.await.unwrap();
+}
+
 #[tokio::test]
 async fn deleting_with_delete_is_blocked_by_messages_then_completes_once_empty() {
     deletion_waits_for_an_empty_queue("classic").await;
@@ -324,6 +415,12 @@ async fn live_tracker(ctx: &Context) -> Arc<queueguard::consumers::ConsumerTrack
     tracker
 }
 
+/// The gate's binding of a policy on `queue` (dead-lettering into `<queue>.dlq`).
+fn watch(tracker: &Arc<queueguard::consumers::ConsumerTracker>, queue: &queueguard::consumers::QueueKey) -> QueueWatch {
+    let dead_letter_queue = queueguard::consumers::QueueKey::new(&queue.vhost, format!("{}.dlq", queue.name));
+    QueueWatch { tracker: tracker.clone(), queue: queue.clone(), dead_letter_queue }
+}
+
 async fn declared(p: &QueuePolicy) -> queueguard::plan::QueuePlan {
     let plan = plan_of(p);
     let pool = queueguard::broker::BrokerPool::new(unique("conn"));
@@ -357,7 +454,7 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     watched(&ctx, &[&p], &[worker_deployment(json!({"type": "Recreate"}))], &[worker_pod(None)], &[]);
 
     // Bound to its queue (what the reconcile does first), the pod's consumer is seen at once.
-    ctx.gate.bind(&ObjectKey::of(&p), Ok((tracker.clone(), key.clone())));
+    ctx.gate.bind(&ObjectKey::of(&p), Ok(watch(&tracker, &key)));
     let written = expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
     assert!(written["message"].as_str().unwrap().contains("worker-ctag"), "{written}");
     ctx.gate
@@ -475,8 +572,8 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     );
     let (ka, kb) =
         (queueguard::consumers::QueueKey::new("/", &orders), queueguard::consumers::QueueKey::new("/", &events));
-    ctx.gate.bind(&ObjectKey::of(&pa), Ok((tracker.clone(), ka.clone())));
-    ctx.gate.bind(&ObjectKey::of(&pb), Ok((tracker.clone(), kb.clone())));
+    ctx.gate.bind(&ObjectKey::of(&pa), Ok(watch(&tracker, &ka)));
+    ctx.gate.bind(&ObjectKey::of(&pb), Ok(watch(&tracker, &kb)));
 
     let (conn, ch) = named("worker-abc-1").await;
     let _a =
@@ -528,7 +625,7 @@ async fn no_budget_is_created_beside_anothers_and_status_says_whose_it_is() {
     let safe =
         worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}));
     watched(&ctx, &[&p], &[safe], &[worker_pod(Some("False"))], &[theirs]);
-    ctx.gate.bind(&ObjectKey::of(&p), Ok((tracker, queueguard::consumers::QueueKey::new("/", &name))));
+    ctx.gate.bind(&ObjectKey::of(&p), Ok(watch(&tracker, &queueguard::consumers::QueueKey::new("/", &name))));
     let echo = serde_json::to_value(&p).unwrap();
     let n = name.clone();
     let server = tokio::spawn(async move {
@@ -560,8 +657,20 @@ async fn no_budget_is_created_beside_anothers_and_status_says_whose_it_is() {
 /// queue.deleted event), and the reconcile declares it again with a Warning Event.
 #[tokio::test]
 async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warning() {
+    deleted_behind_the_operators_back(|plan| plan.queue.clone()).await;
+}
+
+/// The same for its dead-letter queue: without it the policy's dead letters would be dropped
+/// until the next declaration.
+#[tokio::test]
+async fn a_dead_letter_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warning() {
+    deleted_behind_the_operators_back(|plan| plan.dead_letter_queue.clone()).await;
+}
+
+async fn deleted_behind_the_operators_back(which: fn(&queueguard::plan::QueuePlan) -> String) {
     let name = unique("ctrl-recreate");
     let p = with_finalizer(policy(&name, "{}"));
+    let gone = which(&plan_of(&p));
     let (ctx, mut api) = harness();
     let mut wakeups = ctx.take_trigger_receiver().unwrap();
     let echo = serde_json::to_value(&p).unwrap();
@@ -587,20 +696,22 @@ async fn a_queue_deleted_behind_the_operators_back_is_declared_again_with_a_warn
     );
 
     while wakeups.try_recv().is_ok() {} // the first pass's own
-    delete_queues(&[&name]).await;
+    delete_queues(&[&gone]).await;
     let woken =
         tokio::time::timeout(Duration::from_secs(5), wakeups.recv()).await.expect("woken by the deletion").unwrap();
     assert_eq!(woken.name, name);
 
     let mut p2 = p.clone();
     p2.status = Some(serde_json::from_value(status).unwrap());
+    let expected = format!("'{gone}'");
     let server = tokio::spawn(async move {
         // The first pass's Secret read still serves (controller::secrets).
         let event = api.expect_event("QueueRecreated", "Warning").await;
-        assert!(event["note"].as_str().unwrap().contains("declared again"));
+        let note = event["note"].as_str().unwrap();
+        assert!(note.contains(&expected) && note.contains("declared again"), "{note}");
     });
     run(p2, ctx).await.unwrap();
     server.await.unwrap();
-    assert!(exists(&name).await, "declared again");
+    assert!(exists(&gone).await, "declared again");
     remove_all(&plan_of(&p)).await;
 }

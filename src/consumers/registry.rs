@@ -66,13 +66,6 @@ pub struct Consumer {
     pub node: Option<String>,
 }
 
-impl Consumer {
-    /// The earliest the client behind this consumer can have connected.
-    pub fn connected_by_ms(&self) -> i64 {
-        self.connected_ms.map_or(self.since_ms, |c| c.min(self.since_ms))
-    }
-}
-
 /// A change worth telling the gate about.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
@@ -160,7 +153,8 @@ pub struct Registry {
     /// When each consumer was first seen through an event (snapshots may not yet list it).
     event_seen: HashMap<Key, i64>,
     unplaced: Vec<Unplaced>,
-    /// Vhosts only a snapshot can settle (an unplaced consumer, an ambiguous deletion).
+    /// Vhosts only a snapshot can settle (an unplaced consumer, an ambiguous deletion, a consumer
+    /// whose connection's age is unknown).
     resync_wanted: BTreeSet<String>,
 }
 
@@ -226,6 +220,10 @@ impl Registry {
                     ack_required,
                     since_ms: at_ms,
                 };
+                if consumer.connected_ms.is_none() {
+                    // Until a snapshot says when its connection opened, it counts for no pod.
+                    self.resync_wanted.insert(consumer.queue.vhost.clone());
+                }
                 let key = (consumer.channel.clone(), consumer.tag.clone());
                 self.removed.remove(&key);
                 self.event_seen.insert(key.clone(), now_ms);
@@ -318,9 +316,6 @@ impl Registry {
         self.event_seen.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
         let placed = self.place_unplaced(&vhost, &consumers);
         self.unplaced.retain(|u| u.until_ms > now_ms);
-        if !self.unplaced.iter().any(|u| u.queue.vhost == vhost) {
-            self.resync_wanted.remove(&vhost);
-        }
         let mut changes = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for mut consumer in consumers.into_iter().filter(|c| c.queue.vhost == vhost) {
@@ -368,6 +363,15 @@ impl Registry {
                 self.removed.remove(&(consumer.channel.clone(), consumer.tag.clone()));
                 changes.push(Change::Detached { consumer });
             }
+        }
+        // Read again soon while something waits for a snapshot: a consumer to place, or one
+        // whose connection's age is unknown (not listed yet, or the listing failed).
+        let unsettled = self.unplaced.iter().any(|u| u.queue.vhost == vhost)
+            || self.consumers.values().any(|c| c.queue.vhost == vhost && c.connected_ms.is_none());
+        if unsettled {
+            self.resync_wanted.insert(vhost);
+        } else {
+            self.resync_wanted.remove(&vhost);
         }
         changes
     }
@@ -523,9 +527,15 @@ mod tests {
             prefetch: 10,
             ack_required: true,
             since_ms: since,
-            connected_ms: None,
+            connected_ms: Some(0),
             node: None,
         }
+    }
+
+    /// A consumer as the management API lists it: its connection's age comes from the
+    /// connections listing.
+    fn undated(channel: &str, tag: &str, since: i64) -> Consumer {
+        Consumer { connected_ms: None, ..listed(channel, tag, since) }
     }
 
     fn snapshot(consumers: Vec<Consumer>) -> Snapshot {
@@ -544,10 +554,29 @@ mod tests {
         assert_eq!(consumer.peer_host.as_deref(), Some("10.1.2.3"));
         assert_eq!(consumer.connection_name.as_deref(), Some("worker-abc"));
         assert_eq!((consumer.since_ms, consumer.connected_ms), (1_000, Some(900)));
-        assert_eq!(consumer.connected_by_ms(), 900);
         assert!(r.consumers_on(&QueueKey::new("/", "other")).is_empty());
         assert!(matches!(r.apply(deleted_on("<c1>", "t1"), 2_000).as_slice(), [Change::Detached { .. }]));
         assert!(tags(&r).is_empty());
+    }
+
+    #[test]
+    fn a_consumer_whose_connection_is_not_listed_keeps_its_vhost_due_until_a_snapshot_dates_it() {
+        let mut r = Registry::default();
+        // The connections listing failed: the consumer is known, its connection's age is not.
+        r.resync(snapshot(vec![undated(CH, "t1", 1_000)]), 1_000);
+        assert_eq!(r.consumers_on(&q())[0].connected_ms, None);
+        assert!(r.resync_wanted().contains("/"), "read again soon, not in 30 s");
+        let mut dated = snapshot(vec![undated(CH, "t1", 2_000)]);
+        dated.connections.insert(CONN.into(), ConnectionFacts { user_provided_name: None, connected_ms: Some(900) });
+        r.resync(dated, 2_000);
+        assert_eq!(r.consumers_on(&q())[0].connected_ms, Some(900));
+        assert!(r.resync_wanted().is_empty(), "settled");
+        // The same through an event on a channel whose connection was never seen.
+        let mut r = Registry::default();
+        r.apply(BrokerEvent::ChannelCreated { pid: "<c1>".into(), name: CH.into() }, 0);
+        r.apply(created("t1", 1_000), 1_000);
+        assert_eq!(r.consumers_on(&q())[0].connected_ms, None);
+        assert!(r.resync_wanted().contains("/"));
     }
 
     #[test]
@@ -606,7 +635,7 @@ mod tests {
     #[test]
     fn snapshots_add_missed_consumers_and_remove_vanished_ones_of_their_vhost_only() {
         let mut r = Registry::default();
-        let mut first = snapshot(vec![listed(CH, "t1", 100)]);
+        let mut first = snapshot(vec![undated(CH, "t1", 100)]);
         first.connections.insert(
             CONN.into(),
             ConnectionFacts { user_provided_name: Some("worker-abc".into()), connected_ms: Some(40) },

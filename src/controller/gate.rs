@@ -48,7 +48,7 @@ use tokio::sync::{Notify, broadcast::error::RecvError, mpsc, watch};
 pub const WRITER_STALL: Duration = Duration::from_secs(2 * crate::kube_api::REQUEST_TIMEOUT.as_secs());
 
 /// How long a reconcile waits for the gate's watches to sync before it retries.
-const SYNC_WAIT: Duration = Duration::from_secs(30);
+pub(crate) const SYNC_WAIT: Duration = Duration::from_secs(30);
 
 /// The index, what feeds it and what performs its decisions.
 pub struct Gate {
@@ -63,6 +63,13 @@ pub struct Gate {
     /// Since when the pod-condition writer has had a patch out and no answer from the API server
     /// (None: idle, or answered since).
     unanswered_since: Mutex<Option<tokio::time::Instant>>,
+}
+
+/// Where a policy's consumers are counted and its queues watched for deletion.
+pub struct QueueWatch {
+    pub tracker: Arc<ConsumerTracker>,
+    pub queue: QueueKey,
+    pub dead_letter_queue: QueueKey,
 }
 
 /// Objects of a watch's re-list, until its end says which others are gone.
@@ -165,16 +172,17 @@ impl Gate {
         let _ = rx.wait_for(|s| *s).await;
     }
 
-    /// Records that a policy counts consumers on `queue` through `tracker` (or why it cannot),
-    /// and makes sure that tracker's changes reach the index.
-    pub fn bind(self: &Arc<Self>, policy: &ObjectKey, binding: Result<(Arc<ConsumerTracker>, QueueKey), Unbound>) {
-        let binding = binding.map(|(tracker, queue)| {
+    /// Records that a policy counts consumers on `queue` (and dead-letters into
+    /// `dead_letter_queue`) through `tracker`, or why it cannot, and makes sure that tracker's
+    /// changes reach the index.
+    pub fn bind(self: &Arc<Self>, policy: &ObjectKey, binding: Result<QueueWatch, Unbound>) {
+        let binding = binding.map(|QueueWatch { tracker, queue, dead_letter_queue }| {
             let source = tracker.id();
             let new = lock(&self.trackers).insert(source, tracker.clone()).is_none();
             if new {
                 tokio::spawn(forward_changes(Arc::downgrade(self), source, tracker.subscribe()));
             }
-            Binding { source, queue }
+            Binding { source, queue, dead_letter_queue: Some(dead_letter_queue) }
         });
         let sources = self.update(|i| {
             i.bind(policy, binding);

@@ -6,9 +6,10 @@ pub mod gate;
 pub mod pattern;
 mod secrets;
 
-use self::gate::Gate;
+use self::gate::{Gate, QueueWatch, SYNC_WAIT};
 use crate::{
     broker::BrokerPool,
+    claims::{self, Claims},
     consumers::{QueueKey, TrackerPool},
     converge::{self, Cleanup},
     crd::{API_VERSION, DeletionPolicy, QueuePolicy, QueuePolicyStatus},
@@ -127,6 +128,16 @@ pub struct Context {
     /// What the QueuePattern watch remembers between looks.
     watched: pattern::Watched,
     secrets: secrets::Secrets,
+    /// Every QueuePolicy and QueuePattern as the controllers' watches hold them, for what a
+    /// deleted policy must leave to the others (`claims`).
+    others: std::sync::OnceLock<Others>,
+}
+
+/// The watch caches of the two kinds that name broker entities.
+#[derive(Clone)]
+pub struct Others {
+    pub policies: reflector::Store<QueuePolicy>,
+    pub patterns: reflector::Store<QueuePattern>,
 }
 
 /// What the operator keeps about one policy between reconciles.
@@ -176,11 +187,30 @@ impl Context {
             memos: Mutex::default(),
             watched: Mutex::default(),
             secrets: secrets::Secrets::default(),
+            others: std::sync::OnceLock::new(),
         }
     }
 }
 
 impl Context {
+    /// The controllers' caches of every QueuePolicy and QueuePattern (set once, when they start).
+    pub fn know_others(&self, others: Others) {
+        let _ = self.others.set(others);
+    }
+
+    /// What the policies and patterns other than `policy` name, once the caches hold them all.
+    async fn claims_of_others(&self, policy: &QueuePolicy, plan: &QueuePlan) -> Result<Claims, Error> {
+        let Some(others) = self.others.get() else { return Ok(Claims::default()) };
+        let ready = async {
+            others.policies.wait_until_ready().await.ok()?;
+            others.patterns.wait_until_ready().await.ok()
+        };
+        if tokio::time::timeout(SYNC_WAIT, ready).await.ok().flatten().is_none() {
+            return Err(Error::NotSynced);
+        }
+        Ok(claims::others(policy, plan, &others.policies.state(), &others.patterns.state(), self.limits))
+    }
+
     /// The stream of policies the gate wakes up (their pods, Deployments, budgets or queue's
     /// consumers changed, or their queue was deleted); there is one receiver, for the controller.
     pub fn take_trigger_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
@@ -328,6 +358,8 @@ async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<
     // the generation (deletion too); finalizer edits do not, so they are watched as well. The
     // gate sees every event of the same watch.
     let (policy_store, policy_writer) = reflector::store();
+    let (pattern_store, pattern_writer) = reflector::store();
+    ctx.know_others(Others { policies: policy_store.clone(), patterns: pattern_store.clone() });
     let g = ctx.gate.clone();
     let trigger = watcher(scoped::<QueuePolicy>(&client, ns), config())
         .default_backoff()
@@ -353,7 +385,6 @@ async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<
             }
         });
     // Status-only updates of patterns must not wake them either.
-    let (pattern_store, pattern_writer) = reflector::store();
     let pattern_trigger = watcher(scoped::<QueuePattern>(&client, ns), config())
         .default_backoff()
         .reflect(pattern_writer)
@@ -476,29 +507,36 @@ async fn broker_side(
     let me = ObjectRef::from_obj(policy);
     let generation = policy.metadata.generation;
     let queue = QueueKey::new(broker.vhost(), &plan.queue);
-    // Every managed queue is watched, gated or not, so a deletion behind the operator's back is
-    // repaired at once.
+    let dead_letter_queue = QueueKey::new(broker.vhost(), &plan.dead_letter_queue);
+    // Every managed queue and dead-letter queue is watched, gated or not, so a deletion behind
+    // the operator's back is repaired at once.
     let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
     if let Some(t) = &tracker {
         t.watch_queue(queue.clone());
+        t.watch_queue(dead_letter_queue.clone());
     }
-    let deleted = tracker.as_ref().is_some_and(|t| t.take_deleted(&queue));
+    // Both are taken: each deletion is told once.
+    let deleted: Vec<&str> = [&queue, &dead_letter_queue]
+        .into_iter()
+        .filter(|q| tracker.as_ref().is_some_and(|t| t.take_deleted(q)))
+        .map(|q| q.name.as_str())
+        .collect();
     let mut events = Vec::new();
-    let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| !deleted) {
+    let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| deleted.is_empty()) {
         Some(outcome) => outcome,
         None => {
             let mode = pass::mode_for(plan, previous, generation);
             let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
             let outcome = converge::converge(plan, &broker, &bindings, mode).await;
             remember(ctx, &me, generation, &outcome);
-            if deleted && mode == converge::Mode::Declare && outcome.queue.is_ok() {
+            if !deleted.is_empty() && mode == converge::Mode::Declare && outcome.queue.is_ok() {
                 events.push(EventSpec {
                     warning: true,
                     reason: EventReason::Condition(Reason::QueueRecreated),
                     action: "DeclareQueue",
                     note: format!(
                         "queue '{}' was deleted behind the operator's back and has been declared again",
-                        plan.queue
+                        deleted.join("' and '")
                     ),
                 });
             }
@@ -517,7 +555,11 @@ fn bind_gate(
     ctx: &Context,
 ) {
     let binding = match (planned, reached) {
-        (Ok(plan), Some((b, Some(t)))) => Ok((t.clone(), QueueKey::new(b.vhost(), &plan.queue))),
+        (Ok(plan), Some((b, Some(t)))) => Ok(QueueWatch {
+            tracker: t.clone(),
+            queue: QueueKey::new(b.vhost(), &plan.queue),
+            dead_letter_queue: QueueKey::new(b.vhost(), &plan.dead_letter_queue),
+        }),
         (Ok(_), Some((_, None))) => Err(Unbound::TrackingNotStarted),
         _ => Err(Unbound::NotReady(outcome.ready().message)),
     };
@@ -605,9 +647,29 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     ctx.gate.forget_policy(&ObjectKey::of(policy));
     ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
     ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
-    let Ok(plan) = plan::plan(policy, ctx.limits) else {
+    let plan = match plan::plan(policy, ctx.limits) {
+        Ok(plan) => plan,
+        // A queue declared under an earlier, valid spec stays until the spec says again which it
+        // is: the finalizer is not given up on a queue deletionPolicy Delete would remove.
+        Err(errors) if policy.spec.deletion_policy == DeletionPolicy::Delete && was_declared(policy) => {
+            let check = Check::failed(
+                Reason::DeletionBlocked,
+                format!(
+                    "the queue cannot be checked and deleted while the spec is invalid ({}); fix the spec, or set deletionPolicy: Retain to leave the queue",
+                    plan::describe(&errors)
+                ),
+            );
+            let status = next_status(
+                policy.status.as_ref(),
+                &Outcome::blocked(check.clone()),
+                policy.metadata.generation,
+                Timestamp::now(),
+            );
+            write_status(policy, policy.status.as_ref(), status, ctx).await?;
+            return Err(Error::DeletionBlocked(check.message));
+        }
         // Never declared anything from an invalid spec: nothing to clean.
-        return Ok(Action::await_change());
+        Err(_) => return Ok(Action::await_change()),
     };
     if plan.deletion == DeletionPolicy::Retain {
         let note = format!(
@@ -646,7 +708,8 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             return Ok(Action::await_change());
         }
     };
-    match converge::delete(&plan, &broker).await {
+    let claims = ctx.claims_of_others(policy, &plan).await?;
+    match converge::delete(&plan, &broker, &claims).await {
         Cleanup::Deleted(note) => {
             publish_for(
                 policy,
@@ -674,6 +737,11 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             Err(Error::DeletionBlocked(check.message))
         }
     }
+}
+
+/// Whether the operator ever saw the policy's queue on the broker (status keeps the last look).
+fn was_declared(policy: &QueuePolicy) -> bool {
+    policy.status.as_ref().is_some_and(|s| s.queue.is_some())
 }
 
 /// The shared broker endpoint, or the condition explaining why not. A missing Secret is a

@@ -123,6 +123,8 @@ pub enum Unbound {
 pub struct Binding {
     pub source: u64,
     pub queue: QueueKey,
+    /// Its dead-letter queue, whose deletion also wakes the policy (it is declared again).
+    pub dead_letter_queue: Option<QueueKey>,
 }
 
 /// The live consumers, as the trackers see them.
@@ -273,6 +275,8 @@ pub struct GateIndex {
     pods_of: HashMap<ObjectKey, BTreeSet<String>>,
     /// Broker queue → the policies counting its consumers.
     bound: HashMap<(u64, QueueKey), BTreeSet<ObjectKey>>,
+    /// Dead-letter queue → the policies dead-lettering into it.
+    dead_letters: HashMap<(u64, QueueKey), BTreeSet<ObjectKey>>,
     /// Address → the pods holding it (terminal pods hold none).
     addresses: HashMap<String, BTreeSet<String>>,
     budgets: HashMap<ObjectKey, BudgetFacts>,
@@ -328,6 +332,9 @@ impl GateIndex {
             self.unbind_queue(b, key);
         }
         if let Ok(b) = binding {
+            if let Some(dlq) = b.dead_letter_queue {
+                self.dead_letters.entry((b.source, dlq)).or_default().insert(key.clone());
+            }
             self.bound.entry((b.source, b.queue)).or_default().insert(key.clone());
         }
         for d in self.guards.get(key).cloned().unwrap_or_default() {
@@ -336,11 +343,14 @@ impl GateIndex {
     }
 
     fn unbind_queue(&mut self, b: &Binding, key: &ObjectKey) {
-        let slot = (b.source, b.queue.clone());
-        if let Some(set) = self.bound.get_mut(&slot) {
-            set.remove(key);
-            if set.is_empty() {
-                self.bound.remove(&slot);
+        let slots = [(&mut self.bound, Some(&b.queue)), (&mut self.dead_letters, b.dead_letter_queue.as_ref())];
+        for (map, queue) in slots {
+            let Some(slot) = queue.map(|q| (b.source, q.clone())) else { continue };
+            if let Some(set) = map.get_mut(&slot) {
+                set.remove(key);
+                if set.is_empty() {
+                    map.remove(&slot);
+                }
             }
         }
     }
@@ -569,6 +579,10 @@ impl GateIndex {
     /// A broker change: the pods of the policies counting that queue (or, for a tracking
     /// change, every queue of that tracker and vhost) are looked at again.
     pub fn consumers_changed(&mut self, source: u64, change: &crate::consumers::Change) {
+        if let crate::consumers::Change::QueueDeleted { queue } = change {
+            let dead_lettering = self.dead_letters.get(&(source, queue.clone())).into_iter().flatten();
+            self.dirty_policies.extend(dead_lettering.cloned());
+        }
         let policies: Vec<ObjectKey> = match change.queue() {
             Some(queue) => self.bound.get(&(source, queue.clone())).into_iter().flatten().cloned().collect(),
             None => {

@@ -127,7 +127,8 @@ fn index(policies: Vec<(PolicyFacts, &str)>) -> GateIndex {
     let keys: Vec<(ObjectKey, &str)> = policies.iter().map(|(p, queue)| (p.key.clone(), *queue)).collect();
     i.replace_policies(policies.into_iter().map(|(p, _)| p).collect());
     for (key, queue) in keys {
-        i.bind(&key, Ok(Binding { source: SOURCE, queue: q(queue) }));
+        let dead_letter_queue = Some(q(&format!("{queue}.dlq")));
+        i.bind(&key, Ok(Binding { source: SOURCE, queue: q(queue), dead_letter_queue }));
     }
     i.replace_deployments(vec![deployment("worker", &[("tier", "consumers")])]);
     i.replace_budgets(vec![]);
@@ -403,6 +404,12 @@ fn policies_are_woken_by_their_pods_deployments_and_queues() {
         i.flush(&b, NOW).wake,
         BTreeSet::from([ObjectKey::new("shop", "other")]),
         "a queue deleted behind its back"
+    );
+    i.consumers_changed(SOURCE, &Change::QueueDeleted { queue: q("orders.dlq") });
+    assert_eq!(
+        i.flush(&b, NOW).wake,
+        BTreeSet::from([ObjectKey::new("shop", "orders")]),
+        "its dead-letter queue deleted behind its back"
     );
     i.upsert_deployment(deployment("worker", &[("tier", "web")]));
     assert_eq!(i.flush(&b, NOW).wake, BTreeSet::from([ObjectKey::new("shop", "orders")]));

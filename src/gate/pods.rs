@@ -100,7 +100,8 @@ pub enum Ownership {
 }
 
 /// Whether `consumer` is `pod`'s: by peer IP (unless `ambiguous` says the IP is shared) or by
-/// the pod name as a token of the connection name, and never from before the pod's address.
+/// the pod name as a token of the connection name, and never from before the pod's address, nor
+/// of unknown age.
 pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: impl Fn(&str) -> bool) -> Ownership {
     let matches = match by {
         MatchBy::PodIp => {
@@ -111,9 +112,13 @@ pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: im
     if !matches {
         return Ownership::Foreign;
     }
-    match pod.ip_since_ms {
-        Some(since) if consumer.connected_by_ms() + CLOCK_SKEW_MS < since => Ownership::Stale,
-        _ => Ownership::Owned,
+    let Some(since) = pod.ip_since_ms else { return Ownership::Owned };
+    // Only a known connection time proves the consumer is not an earlier holder's: one of
+    // unknown age (its connection not listed yet, or the listing failed) may be a half-open
+    // connection left behind by the pod that had the address before.
+    match consumer.connected_ms {
+        Some(connected) if connected.min(consumer.since_ms) + CLOCK_SKEW_MS >= since => Ownership::Owned,
+        _ => Ownership::Stale,
     }
 }
 
@@ -173,6 +178,13 @@ mod tests {
             ownership(&p, &consumer("10.0.0.1", None, 10_000 - CLOCK_SKEW_MS), MatchBy::PodIp, none),
             Ownership::Owned,
             "within the clock skew allowance"
+        );
+        let mut unknown_age = consumer("10.0.0.1", None, 10_500);
+        unknown_age.connected_ms = None;
+        assert_eq!(
+            ownership(&p, &unknown_age, MatchBy::PodIp, none),
+            Ownership::Stale,
+            "a connection of unknown age may be an earlier holder's"
         );
         let mut unknown_start = p.clone();
         unknown_start.ip_since_ms = None;

@@ -64,7 +64,7 @@ fn consumer_from(i: u8, since_ms: i64) -> Consumer {
         prefetch: 10,
         ack_required: true,
         since_ms,
-        connected_ms: None,
+        connected_ms: Some(since_ms),
         node: None,
     }
 }
@@ -103,7 +103,7 @@ fn run(
         plan: Ok(plan.clone()),
         deleting: false,
     }]);
-    index.bind(&key, Ok(Binding { source: 1, queue: queue() }));
+    index.bind(&key, Ok(Binding { source: 1, queue: queue(), dead_letter_queue: None }));
     index.replace_deployments(deployments.iter().map(DeploymentFacts::from_deployment).collect());
     index.replace_budgets(vec![]);
     index.replace_pods(pods.to_vec(), NOW);
@@ -226,7 +226,7 @@ fn a_stalled_rollout_is_announced_once() {
         deleting: false,
     };
     index.replace_policies(vec![facts]);
-    index.bind(&key, Ok(Binding { source: 1, queue: queue() }));
+    index.bind(&key, Ok(Binding { source: 1, queue: queue(), dead_letter_queue: None }));
     index.replace_deployments(vec![DeploymentFacts::from_deployment(&deployment(1))]);
     index.replace_budgets(vec![]);
     index.replace_pods(vec![stale], NOW);

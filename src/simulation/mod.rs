@@ -181,7 +181,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     if let Some(broker) = declared.first().and_then(|_| pool.get(uri.clone(), None).ok()) {
         // The demo's own queues: nothing left in them to lose.
         for plan in &declared {
-            let _ = converge::delete(plan, &broker).await;
+            let _ = converge::delete(plan, &broker, &Default::default()).await;
         }
     }
     Ok(Report {
@@ -246,7 +246,7 @@ impl Guard {
         let names: Vec<ObjectKey> = policies.iter().map(|p| p.key.clone()).collect();
         index.replace_policies(policies);
         for (name, queue) in names.iter().zip(keys) {
-            index.bind(name, Ok(Binding { source: tracker.id(), queue: queue.clone() }));
+            index.bind(name, Ok(Binding { source: tracker.id(), queue: queue.clone(), dead_letter_queue: None }));
         }
         index.replace_budgets(vec![]);
         index.replace_deployments(vec![]);
