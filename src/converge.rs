@@ -252,7 +252,9 @@ pub fn policy_failure(e: ManagementError) -> Check {
     match e {
         ManagementError::Unreachable { .. } => Check::unknown(Reason::BrokerUnreachable, e.to_string()),
         ManagementError::Rejected { status: 401 | 403, .. } => Check::failed(Reason::AccessRefused, e.to_string()),
-        ManagementError::InvalidCa(_) => Check::failed(Reason::InvalidBrokerUri, e.to_string()),
+        ManagementError::InvalidCa(_) | ManagementError::Unaddressable(_) => {
+            Check::failed(Reason::InvalidBrokerUri, e.to_string())
+        }
         ManagementError::Rejected { .. } | ManagementError::UnexpectedBody { .. } => {
             Check::failed(Reason::PolicyRejected, e.to_string())
         }

@@ -5,6 +5,7 @@
 //! same answers, and so the reconciler never sends the broker something it will refuse.
 
 use crate::{
+    broker::management::addressable,
     crd::{Binding, ConsumersSpec, DeletionPolicy, Overflow, QueuePolicy, QueueType, SettingsMode},
     duration::{self, DurationText},
     gate::GatePlan,
@@ -158,6 +159,8 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
     }
     if spec.broker.vhost.as_deref() == Some("") {
         errors.add("spec.broker.vhost", "must not be empty (omit it to use the URI's vhost)");
+    } else if spec.broker.vhost.as_deref().is_some_and(|v| !addressable(v)) {
+        errors.add("spec.broker.vhost", "must not be '.' or '..': management API paths read them as dot segments");
     }
 
     errors.finish()?;
@@ -208,6 +211,9 @@ fn check_name(errors: &mut Errors, field: &str, value: &str, what: &str) {
         errors.add(field, format!("{what} name {value:?} is {} bytes; the broker allows 255", value.len()));
     } else if value.starts_with("amq.") {
         errors.add(field, format!("{what} name {value:?} starts with 'amq.', which the broker reserves"));
+    } else if !addressable(value) {
+        errors
+            .add(field, format!("{what} name {value:?} cannot be used: management API paths read it as a dot segment"));
     }
 }
 
@@ -310,6 +316,12 @@ mod tests {
         assert!(errs.iter().any(|e| e.starts_with("spec.queue.deadLetter.exchange")), "{errs:?}");
         assert!(errs.iter().any(|e| e.starts_with("spec.queue.deadLetter.queue")), "{errs:?}");
         assert!(errors_of("{deadLetter: {queue: orders}}")[0].contains("must differ"));
+        assert!(errors_of("{name: '..'}")[0].contains("dot segment"));
+        assert!(errors_of("{deadLetter: {queue: '.'}}")[0].starts_with("spec.queue.deadLetter.queue"));
+        let mut dotted = policy_yaml("{}");
+        dotted.spec.broker.vhost = Some(".".into());
+        let errs = plan(&dotted, Limits::default()).unwrap_err();
+        assert!(errs[0].field == "spec.broker.vhost" && errs[0].message.contains("dot segments"), "{errs:?}");
     }
 
     #[test]

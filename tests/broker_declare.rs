@@ -409,6 +409,30 @@ async fn deleting_a_policy_keeps_the_dead_letter_queue_and_exchange_another_poli
     remove_all(&plan_a).await;
 }
 
+/// A broker policy written into a vhost that does not exist is an error (the API answers 404),
+/// never taken as written; a dot-segment vhost is refused before any request.
+#[tokio::test]
+async fn a_policy_write_the_broker_cannot_place_is_an_error() {
+    let plan = plan_of(&policy(&unique("no-vhost"), "{}"));
+    let pool = BrokerPool::new(unique("conn"));
+    let broker = broker(&pool, &plan);
+    let policy = queueguard::broker::management::PolicyInfo {
+        name: unique("p"),
+        pattern: "^x$".into(),
+        apply_to: "queues".into(),
+        priority: 1,
+        definition: serde_json::Map::from_iter([("expires".to_owned(), json!(60_000))]),
+    };
+    let missing = unique("missing-vhost");
+    let e = broker.management.put_policy(&missing, &policy).await.expect_err("no such vhost");
+    assert!(e.to_string().contains("404"), "{e}");
+    for dot in [".", ".."] {
+        let e = broker.management.put_policy(dot, &policy).await.expect_err("a dot segment");
+        assert!(e.to_string().contains("dot segment"), "{e}");
+    }
+    assert!(mgmt_get(&format!("policies/%2F/{}", enc(&policy.name))).await.is_none(), "nothing landed elsewhere");
+}
+
 #[tokio::test]
 async fn every_policy_on_a_broker_shares_one_connection() {
     let pool = BrokerPool::new(unique("shared-conn"));

@@ -29,6 +29,16 @@ pub enum ManagementError {
     /// A request answered 200 with a body that is not what the API documents.
     #[error("management API answered {what} with an unexpected body: {detail}")]
     UnexpectedBody { what: String, detail: String },
+    /// `.` or `..` as a vhost or name: URL paths read them as dot segments, so the request
+    /// would land on another path.
+    #[error("{0:?} cannot be addressed through the management API: URL paths read it as a dot segment")]
+    Unaddressable(String),
+}
+
+/// Whether a vhost or an entity name can be a segment of a management API path: `.` and `..`
+/// (percent-encoded or not) are dot segments to every URL parser on the way.
+pub fn addressable(name: &str) -> bool {
+    !matches!(name, "." | "..")
 }
 
 /// A queue as the management API reports it. Counters are absent until the broker has emitted
@@ -382,8 +392,9 @@ impl ManagementClient {
         body: Option<Value>,
     ) -> Result<Option<Vec<u8>>, ManagementError> {
         let write = method != Method::GET;
+        let creates = matches!(method, Method::PUT | Method::POST);
         self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut url = self.url(path);
+        let mut url = self.url(path)?;
         if !query.is_empty() {
             url.set_query(Some(query));
         }
@@ -410,17 +421,22 @@ impl ManagementClient {
         let bytes = response.bytes().await.map_err(failed)?;
         match status {
             s if s.is_success() => Ok(Some(bytes.to_vec())),
-            StatusCode::NOT_FOUND => Ok(None),
+            // Absent, for a read or a delete. A write that finds no path (a vhost that does
+            // not exist) did not happen.
+            StatusCode::NOT_FOUND if !creates => Ok(None),
             s if s.is_server_error() => Err(unreachable(format!("HTTP {s} on {what}"))),
             s => Err(ManagementError::Rejected { what, status: s.as_u16(), reason: reason_of(&bytes) }),
         }
     }
 
-    fn url(&self, path: &[&str]) -> reqwest::Url {
+    fn url(&self, path: &[&str]) -> Result<reqwest::Url, ManagementError> {
+        if let Some(dot) = path.iter().find(|p| !addressable(p)) {
+            return Err(ManagementError::Unaddressable((*dot).to_owned()));
+        }
         let encoded: Vec<String> = path.iter().map(|p| utf8_percent_encode(p, NON_ALPHANUMERIC).to_string()).collect();
         let mut url = self.base_url().clone();
         url.set_path(&format!("{}api/{}", url.path(), encoded.join("/")));
-        url
+        Ok(url)
     }
 }
 
@@ -489,7 +505,14 @@ mod tests {
             password: "p".into(),
         };
         let client = ManagementClient::new(endpoint, None).unwrap();
-        assert_eq!(client.url(&["queues", "/", "a.b c"]).as_str(), "http://h:15672/prefix/api/queues/%2F/a%2Eb%20c");
+        assert_eq!(
+            client.url(&["queues", "/", "a.b c"]).unwrap().as_str(),
+            "http://h:15672/prefix/api/queues/%2F/a%2Eb%20c"
+        );
+        // Percent-encoded or not, `.` and `..` are dot segments: `policies/../p` is `/api/p`.
+        for dot in [".", ".."] {
+            assert!(matches!(client.url(&["policies", dot, "p"]), Err(ManagementError::Unaddressable(d)) if d == dot));
+        }
     }
 
     /// An HTTP server that answers every request after `delay` (never, for None) and reports

@@ -13,6 +13,8 @@ use std::{
 };
 use url::Url;
 
+use super::management::addressable;
+
 /// A parsed broker address: AMQP plus the management API, with credentials.
 #[derive(Clone, PartialEq, Eq)]
 pub struct BrokerUri {
@@ -86,6 +88,11 @@ impl BrokerUri {
     pub fn parse_cluster(uri: &str, management_uri: Option<&str>, addresses: Option<&str>) -> Result<Self, UriError> {
         let err = |field, why: &str| UriError { field, why: why.to_owned() };
         let url = Url::parse(uri.trim()).map_err(|e| err("uri", &format!("not a URI ({e})")))?;
+        // The parser reads `/.`, `/%2E` and `/..` as dot segments, that is as `/`: a vhost the
+        // URI names that way would silently become the default vhost.
+        if let Some(dot) = raw_path(uri.trim()).and_then(|p| decode(p).ok()).filter(|v| !addressable(v)) {
+            return Err(err("uri", &format!("vhost {dot:?} cannot be used: URL paths read it as a dot segment")));
+        }
         let scheme = match url.scheme() {
             "amqp" => AMQPScheme::AMQP,
             "amqps" => AMQPScheme::AMQPS,
@@ -170,7 +177,8 @@ impl BrokerUri {
         amqp
     }
 
-    /// The same broker, another vhost (spec.broker.vhost overrides the URI's).
+    /// The same broker, another vhost (spec.broker.vhost overrides the URI's; the plan refuses
+    /// one that cannot be addressed).
     pub fn with_vhost(mut self, vhost: &str) -> Self {
         self.amqp.vhost = vhost.to_owned();
         self
@@ -279,6 +287,14 @@ fn parse_addresses(list: &str, default_port: u16) -> Result<Vec<Node>, UriError>
         .collect()
 }
 
+/// The path of a URI as written, before any normalisation: after the authority, up to the query
+/// or fragment, without its leading `/`.
+fn raw_path(uri: &str) -> Option<&str> {
+    let rest = &uri[uri.find("://")? + 3..];
+    let path = &rest[rest.find('/')? + 1..];
+    Some(path.split(['?', '#']).next().unwrap_or_default())
+}
+
 fn decode(s: &str) -> Result<String, std::str::Utf8Error> {
     percent_decode_str(s).decode_utf8().map(|c| c.into_owned())
 }
@@ -300,6 +316,15 @@ mod tests {
         assert_eq!(uri.management().base_url().as_str(), "http://rabbit.shop.svc:15672/");
         assert_eq!(uri.management().username, "app");
         assert_eq!(uri.management().password, "s3cret");
+    }
+
+    #[test]
+    fn a_dot_segment_vhost_is_refused_not_read_as_the_default() {
+        for input in ["amqp://u:p@h/.", "amqp://u:p@h/%2E", "amqp://u:p@h/%2e%2E", "amqp://u:p@h/..?heartbeat=5"] {
+            let e = BrokerUri::parse(input, None).expect_err(input);
+            assert!(e.to_string().contains("dot segment"), "{input}: {e}");
+        }
+        assert_eq!(BrokerUri::parse("amqp://u:p@h/.orders", None).unwrap().vhost(), ".orders");
     }
 
     #[test]

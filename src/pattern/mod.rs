@@ -57,6 +57,9 @@ pub fn plan(p: &QueuePattern, limits: Limits) -> Result<PatternPlan, Vec<FieldEr
     if spec.broker.secret_ref.name.is_empty() {
         errors.add("spec.broker.secretRef.name", "must be set");
     }
+    if spec.broker.vhost.as_deref().is_some_and(|v| !crate::broker::management::addressable(v)) {
+        errors.add("spec.broker.vhost", "must not be '.' or '..': management API paths read them as dot segments");
+    }
     errors.finish()?;
     let mut definition = Map::new();
     definition.insert("expires".into(), json!(expires.unwrap_or_default().as_millis() as u64));
