@@ -69,4 +69,10 @@ fn the_demo_command_prints_both_scenarios_and_exits_0() {
     let lost: Vec<u64> =
         lines[1..].iter().map(|l| l.split_whitespace().rev().nth(4).unwrap().parse().unwrap()).collect();
     assert_eq!(lost[0], 0, "{table}");
+    // What a new user sees with output sent to a file: the progress lines, no errors from the
+    // closes the simulation makes on purpose, and no colour codes.
+    let log = String::from_utf8(out.stderr).unwrap();
+    assert!(!log.contains("ERROR") && !log.contains("WARN"), "{log}");
+    assert!(!log.contains('\u{1b}'), "colour codes in a log that is not a terminal: {log:?}");
+    assert!(log.lines().all(|l| l.starts_with("running: ")), "{log}");
 }

@@ -521,6 +521,10 @@ async fn publish_on(
         }
         tokio::time::sleep(every).await;
     }
+    // Closed and answered before the connection closes: a channel merely dropped is closed by
+    // lapin in the background, and that close meeting the connection's own close is logged as
+    // a connection error.
+    let _ = pod::bounded(ch.close(200, "done".into())).await;
     Ok(())
 }
 
