@@ -13,7 +13,7 @@ use queueguard::{
     crd::QueuePolicy,
     webhook::{
         certs::{self, SelfSigned},
-        server::{CertSource, Timeouts, Webhook},
+        server::{CertSource, DIR_CHECK_EVERY, Timeouts, Webhook},
     },
 };
 use serde_json::{Value, json};
@@ -146,23 +146,63 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
 
 /// A webhook on a certificate from a directory (as cert-manager mounts it), with short limits.
 async fn webhook_with_timeouts(timeouts: Timeouts) -> (SocketAddr, String) {
-    queueguard::tls::install_crypto_provider();
+    let (addr, ca, _dir) = webhook_from_dir(timeouts).await;
+    (addr, ca)
+}
+
+/// A certificate of its own CA (cert-manager's self-signed issuer with `rotationPolicy: Always`
+/// makes a new CA at each renewal) written into `dir` the way the kubelet updates a mounted
+/// Secret: the new files appear at once, by rename.
+fn write_certificate(dir: &std::path::Path) -> certs::WebhookTls {
     let tls = certs::issue(None, &certs::dns_names("qg-webhook", "ops"), Timestamp::now()).unwrap();
+    for (file, pem) in [("tls.key", &tls.key_pem), ("tls.crt", &tls.cert_pem)] {
+        let staged = dir.join(format!(".{file}.new"));
+        std::fs::write(&staged, pem).unwrap();
+        std::fs::rename(staged, dir.join(file)).unwrap();
+    }
+    tls
+}
+
+async fn webhook_from_dir(timeouts: Timeouts) -> (SocketAddr, String, std::path::PathBuf) {
+    queueguard::tls::install_crypto_provider();
     let dir = std::env::temp_dir().join(format!("qg-webhook-{}-{}", std::process::id(), addr_nanos()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("tls.crt"), &tls.cert_pem).unwrap();
-    std::fs::write(dir.join("tls.key"), &tls.key_pem).unwrap();
+    let tls = write_certificate(&dir);
     let (client, _api) = mock_client();
     let (store, _writer) = reflector::store::<QueuePolicy>();
     let addr = free_addr();
-    tokio::spawn(Webhook { addr, certs: CertSource::Dir(dir), timeouts }.serve(client, store));
+    tokio::spawn(Webhook { addr, certs: CertSource::Dir(dir.clone()), timeouts }.serve(client, store));
     for _ in 0..50 {
         if tokio::net::TcpStream::connect(addr).await.is_ok() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    (addr, tls.ca_pem)
+    (addr, tls.ca_pem, dir)
+}
+
+/// Whether a TLS handshake that trusts only `ca_pem` succeeds.
+async fn trusted_by(addr: SocketAddr, ca_pem: &str) -> bool {
+    handshake(addr, ca_pem).await.is_ok()
+}
+
+/// cert-manager renews the certificate with a new CA and cainjector moves `caBundle` at once:
+/// the webhook serves the new certificate within seconds, not at its next hourly read.
+#[tokio::test]
+async fn a_renewed_certificate_in_the_directory_is_served_within_seconds() {
+    let (addr, old_ca, dir) = webhook_from_dir(Timeouts::default()).await;
+    assert!(trusted_by(addr, &old_ca).await);
+    let renewed = write_certificate(&dir);
+    assert!(!trusted_by(addr, &renewed.ca_pem).await, "still the old certificate right after the renewal");
+    let started = std::time::Instant::now();
+    let limit = DIR_CHECK_EVERY * 3;
+    while !trusted_by(addr, &renewed.ca_pem).await {
+        assert!(started.elapsed() < limit, "the renewed certificate is not served after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("serving the renewed certificate {:?} after it was written", started.elapsed());
+    assert!(!trusted_by(addr, &old_ca).await, "the old CA is no longer what the webhook presents");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 fn addr_nanos() -> u32 {
@@ -170,13 +210,21 @@ fn addr_nanos() -> u32 {
 }
 
 async fn tls_to(addr: SocketAddr, ca_pem: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    handshake(addr, ca_pem).await.unwrap()
+}
+
+/// A TLS connection to the webhook trusting only `ca_pem`.
+async fn handshake(
+    addr: SocketAddr,
+    ca_pem: &str,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
     use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
     let mut roots = rustls::RootCertStore::empty();
     roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
     let config = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    connector.connect(ServerName::try_from("qg-webhook.ops.svc").unwrap(), tcp).await.unwrap()
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    connector.connect(ServerName::try_from("qg-webhook.ops.svc").unwrap(), tcp).await
 }
 
 /// Reads until the server closes; returns what it sent and how long that took.

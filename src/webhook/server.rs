@@ -1,7 +1,7 @@
 //! Serves `POST /mutate-pods` over TLS. Every replica serves it, leader or not: the API server
 //! picks any endpoint of the webhook Service. The certificate comes from a directory
-//! (cert-manager's Secret, mounted) or from [`SelfSigned`], and is re-read hourly so a renewed
-//! certificate is picked up without a restart.
+//! (cert-manager's Secret, mounted) or from [`SelfSigned`], and is read again every few seconds
+//! (a directory) or hourly (self-signed) so a renewed certificate is served without a restart.
 
 use super::{
     certs::{SelfSigned, WebhookTls},
@@ -57,7 +57,13 @@ pub enum WebhookError {
     Bind { addr: SocketAddr, source: std::io::Error },
 }
 
-const RELOAD_EVERY: Duration = Duration::from_secs(3600);
+/// How often a certificate directory is read for a renewal. cert-manager's default self-signed
+/// issuer renews with a new CA (`rotationPolicy: Always`), and cainjector moves `caBundle` to it
+/// at once: until this replica serves the new certificate, the API server refuses the
+/// handshake. The kubelet itself refreshes a mounted Secret within about a minute.
+pub const DIR_CHECK_EVERY: Duration = Duration::from_secs(5);
+/// The self-signed certificate is the operator's own, renewed by it well before it expires.
+const SELF_SIGNED_CHECK_EVERY: Duration = Duration::from_secs(3600);
 /// Reading a Deployment's labels must not hold pod creation up for long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -190,21 +196,9 @@ async fn serve(
     client: Client,
     policies: Store<QueuePolicy>,
 ) -> Result<(), WebhookError> {
-    let (cert, key) = source.load(&client).await?;
-    let current = Arc::new(Current(RwLock::new(Arc::new(certified_key(&cert, &key)?))));
-    let reload = current.clone();
-    let reload_client = client.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(RELOAD_EVERY).await;
-            match source.load(&reload_client).await.and_then(|(c, k)| certified_key(&c, &k)) {
-                Ok(key) => *reload.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(key),
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not reload the webhook certificate; keeping the current one")
-                }
-            }
-        }
-    });
+    let serving = source.load(&client).await?;
+    let current = Arc::new(Current(RwLock::new(Arc::new(certified_key(&serving.0, &serving.1)?))));
+    tokio::spawn(reload_on_change(source, serving, current.clone(), client.clone()));
     let config = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
@@ -233,6 +227,42 @@ async fn serve(
         },
     )
     .await {}
+}
+
+/// Reads the certificate again and again, and serves a changed one from the next handshake on.
+async fn reload_on_change(source: CertSource, mut serving: (String, String), current: Arc<Current>, client: Client) {
+    let every = match &source {
+        CertSource::Dir(_) => DIR_CHECK_EVERY,
+        CertSource::SelfSigned(_) => SELF_SIGNED_CHECK_EVERY,
+    };
+    let mut failing: Option<String> = None;
+    loop {
+        tokio::time::sleep(every).await;
+        let read = source.load(&client).await;
+        let changed = match read {
+            Ok(pems) if pems == serving => Ok(None),
+            Ok(pems) => certified_key(&pems.0, &pems.1).map(|key| Some((pems, key))),
+            Err(e) => Err(e),
+        };
+        match changed {
+            Ok(None) => failing = None,
+            Ok(Some((pems, key))) => {
+                *current.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(key);
+                serving = pems;
+                failing = None;
+                tracing::info!("webhook certificate renewed: serving the new one");
+            }
+            // Mid-rotation the pair can be read half old, half new: the next read settles it.
+            // Said once per distinct failure, not every few seconds.
+            Err(e) => {
+                let text = e.to_string();
+                if failing.as_ref() != Some(&text) {
+                    tracing::warn!(error = %text, "could not reload the webhook certificate; keeping the current one");
+                    failing = Some(text);
+                }
+            }
+        }
+    }
 }
 
 /// Hands every accepted connection to `handle`, for ever. A failed accept (out of file
