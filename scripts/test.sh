@@ -26,6 +26,8 @@ eval "$(scripts/rabbitmq-cluster.sh env)"
 cargo test --test cluster -- --test-threads=1
 scripts/rabbitmq-cluster.sh stop
 unset QUEUEGUARD_CLUSTER_ADDRESSES QUEUEGUARD_CLUSTER_MANAGEMENT
+# Alone, because its consumes cut every event subscription on the broker.
+QUEUEGUARD_TEST_EVENT_FLOOD=1 run_tests --test consumers consumes_at_the_frame_limit
 # Last and alone, because it stops and starts the broker under every other test.
 QUEUEGUARD_TEST_BROKER_RESTART=1 run_tests --test broker_recovery a_real_broker_restart_needs_no_operator_restart
 scripts/rabbitmq.sh

@@ -382,3 +382,114 @@ async fn a_vhost_the_user_cannot_read_leaves_the_others_tracked() {
     mgmt_delete(&format!("users/{}", enc(&user))).await;
     mgmt_delete(&format!("vhosts/{}", enc(&vhost))).await;
 }
+
+/// Any broker user can make the event exchange publish a large header: a `basic.consume` with
+/// more than the operator's 32 KiB frame size of arguments, in any vhost, becomes a
+/// `consumer.created` event carrying those arguments. The subscription must live through it
+/// (the same connection, no resubscription and resync) and go on seeing attaches by event.
+#[tokio::test]
+async fn a_consume_with_huge_arguments_does_not_cut_the_event_subscription() {
+    let connection_name = unique("tracker");
+    let pool = TrackerPool::new(&connection_name);
+    let t = pool.tracker(&BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap(), None).unwrap();
+    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
+    assert!(eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await);
+    let events_connection = || async {
+        let rows = mgmt_get("connections?columns=name,user_provided_name").await.unwrap();
+        let mine = format!("{connection_name} (events)");
+        let names: Vec<String> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["user_provided_name"].as_str() == Some(mine.as_str()))
+            .map(|c| c["name"].as_str().unwrap().to_owned())
+            .collect();
+        names
+    };
+    let listed = eventually(Duration::from_secs(15), || async { events_connection().await.len() == 1 });
+    assert!(listed.await, "the tracker's events connection is listed");
+    let before = events_connection().await;
+    let mut rx = t.subscribe();
+    let mut tracking_changes = t.subscribe();
+
+    // 64 KiB was enough to cut a 32 KiB events connection; 126 KiB is about the most a
+    // consume can carry and still come back in an event within the broker's 128 KiB frames.
+    let hostile = unique("huge-args");
+    declare(&hostile).await;
+    let (_hostile_conn, hostile_ch) = named_app(&unique("hostile")).await;
+    let mut consumers = Vec::new();
+    for (i, padding) in [64 * 1024, 126 * 1024].into_iter().enumerate() {
+        consumers.push(huge_consume(&hostile_ch, &hostile, &format!("huge-{i}"), padding).await.expect("taken"));
+        let seen = next_change_on(&mut rx, &QueueKey::new("/", &hostile), Duration::from_secs(3)).await;
+        assert!(
+            matches!(seen, Some(Change::Attached { .. })),
+            "{padding} bytes of arguments: seen by event, not {:?}",
+            seen.map(|c| format!("{c:?}").chars().take(200).collect::<String>())
+        );
+    }
+
+    // Still subscribed: an ordinary attach right after is seen within a second, by event.
+    let name = unique("after-huge");
+    declare(&name).await;
+    let key = QueueKey::new("/", &name);
+    let (_conn, ch) = named_app(&unique("worker")).await;
+    let started = std::time::Instant::now();
+    let _c = ch
+        .basic_consume(name.as_str().into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let attached = next_change_on(&mut rx, &key, Duration::from_secs(3)).await;
+    assert!(matches!(attached, Some(Change::Attached { .. })), "{attached:?}");
+    assert!(started.elapsed() < Duration::from_secs(1), "by event, not by snapshot: {:?}", started.elapsed());
+    let mut resubscribed = false;
+    while let Ok(change) = tracking_changes.try_recv() {
+        resubscribed |= matches!(change, Change::Tracking { vhost: None });
+    }
+    assert!(!resubscribed, "the event subscription was lost and made again");
+    assert_eq!(t.tracking("/"), Tracking::Events);
+    assert_eq!(events_connection().await, before, "the same events connection throughout");
+    delete_queues(&[&name, &hostile]).await;
+}
+
+/// A consume carrying `padding` bytes of arguments.
+async fn huge_consume(ch: &lapin::Channel, queue: &str, tag: &str, padding: usize) -> lapin::Result<lapin::Consumer> {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-padding".into(), lapin::types::AMQPValue::LongString("x".repeat(padding).into()));
+    ch.basic_consume(queue.into(), tag.into(), BasicConsumeOptions::default(), arguments).await
+}
+
+/// What no frame size can absorb: a consume at the broker's own frame limit comes back as an
+/// event header a few hundred bytes larger, which lapin refuses, closing the connection (the
+/// broker does not split header frames). Repeated, it must not make the tracker subscribe and
+/// resync every vhost every half second: a subscription that ends within seconds backs off.
+///
+/// It cuts every event subscription on the broker, other tests' too, so it runs only when
+/// asked, alone (`scripts/test.sh` does, after the suite).
+#[tokio::test]
+async fn consumes_at_the_frame_limit_repeated_make_the_subscription_back_off() {
+    if std::env::var("QUEUEGUARD_TEST_EVENT_FLOOD").as_deref() != Ok("1") {
+        eprintln!("skipped: set QUEUEGUARD_TEST_EVENT_FLOOD=1 to cut every event subscription on the broker");
+        return;
+    }
+    let pool = TrackerPool::new(&unique("tracker"));
+    let t = pool.tracker(&BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap(), None).unwrap();
+    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
+    assert!(eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await);
+    let hostile = unique("limit-args");
+    declare(&hostile).await;
+    let (_conn, ch) = named_app(&unique("hostile")).await;
+    let opened_before = pool.connections_opened();
+    let started = std::time::Instant::now();
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(8) {
+        let consumer = huge_consume(&ch, &hostile, &format!("limit-{i}"), 130_900).await.expect("the broker takes it");
+        drop(consumer);
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let subscriptions = pool.connections_opened() - opened_before;
+    eprintln!("{i} consumes at the frame limit in 8 s: {subscriptions} new subscriptions");
+    assert!(subscriptions >= 1, "the refused frame did cut the subscription (what this test is about)");
+    assert!(subscriptions <= 6, "backed off (0.5 + 1 + 2 + 4 s), not every half second: {subscriptions}");
+    delete_queues(&[&hostile]).await;
+}

@@ -17,11 +17,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The largest frame the operator's connection accepts. It only sends declarations and reads
-/// small replies and event headers, and lapin keeps 32 frames of read and of write buffer per
-/// connection: at the broker's default of 128 KiB that is 8 MiB resident for nothing
-/// (measured by `cargo bench --bench converge`).
-const FRAME_MAX: u32 = 32 * 1024;
+/// The largest frame a declarations connection accepts. It only sends declarations and reads
+/// small replies, and lapin keeps 32 frames of read and of write buffer per connection: at the
+/// broker's default of 128 KiB that is 8 MiB resident for nothing (measured by
+/// `cargo bench --bench converge`).
+pub const FRAME_MAX: u32 = 32 * 1024;
+/// Take the broker's own largest frame (lapin reads 0 as "the server's"). An events connection
+/// needs it: any broker user's `basic.consume` arguments come back inside a `consumer.created`
+/// event's header frame, which cannot be split, and lapin closes a connection that receives a
+/// frame larger than it negotiated.
+pub const BROKER_FRAME_MAX: u32 = 0;
 /// How long a connection attempt may take before the broker counts as unreachable.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one operation may take before the broker counts as hung: a broker that accepts
@@ -91,6 +96,7 @@ pub struct AmqpEndpoint {
     uri: BrokerUri,
     ca_cert: Option<String>,
     connection_name: String,
+    frame_max: u32,
     state: tokio::sync::Mutex<ConnState>,
     /// Idle channels, each with the generation of the connection it lives on.
     idle: Mutex<Vec<(u64, Channel)>>,
@@ -98,11 +104,14 @@ pub struct AmqpEndpoint {
 }
 
 impl AmqpEndpoint {
-    pub fn new(uri: BrokerUri, ca_cert: Option<String>, connection_name: String) -> Self {
+    /// An endpoint whose connections accept frames up to `frame_max` ([`FRAME_MAX`] or
+    /// [`BROKER_FRAME_MAX`]).
+    pub fn new(uri: BrokerUri, ca_cert: Option<String>, connection_name: String, frame_max: u32) -> Self {
         Self {
             uri,
             ca_cert,
             connection_name,
+            frame_max,
             state: tokio::sync::Mutex::new(ConnState {
                 conn: None,
                 backoff: Backoff::default(),
@@ -206,7 +215,7 @@ impl AmqpEndpoint {
         let tls = OwnedTLSConfig { identity: None, cert_chain: self.ca_cert.clone() };
         let runtime = lapin::runtime::default_runtime()?;
         let mut uri = self.uri.amqp_at(node);
-        uri.query.frame_max = Some(FRAME_MAX);
+        uri.query.frame_max = Some(self.frame_max);
         Connection::connect_uri_with_config(uri, props, tls, runtime).await
     }
 

@@ -49,8 +49,27 @@ pub struct Broker {
 impl Broker {
     /// An endpoint of its own, its connection named `connection_name`.
     pub fn open(uri: BrokerUri, ca_cert: Option<String>, connection_name: String) -> Result<Self, ManagementError> {
+        Self::open_with(uri, ca_cert, connection_name, amqp::FRAME_MAX)
+    }
+
+    /// As [`Self::open`], for an event subscription: its connection takes the broker's largest
+    /// frame ([`amqp::BROKER_FRAME_MAX`]).
+    pub fn open_for_events(
+        uri: BrokerUri,
+        ca_cert: Option<String>,
+        connection_name: String,
+    ) -> Result<Self, ManagementError> {
+        Self::open_with(uri, ca_cert, connection_name, amqp::BROKER_FRAME_MAX)
+    }
+
+    fn open_with(
+        uri: BrokerUri,
+        ca_cert: Option<String>,
+        connection_name: String,
+        frame_max: u32,
+    ) -> Result<Self, ManagementError> {
         let management = ManagementClient::new(uri.management().clone(), ca_cert.as_deref())?;
-        let amqp = AmqpEndpoint::new(uri.clone(), ca_cert.clone(), connection_name);
+        let amqp = AmqpEndpoint::new(uri.clone(), ca_cert.clone(), connection_name, frame_max);
         Ok(Self { uri, ca_cert, amqp, management })
     }
 

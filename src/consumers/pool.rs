@@ -23,7 +23,11 @@ impl TrackerPool {
         let events_uri = uri.clone().with_vhost(EVENT_VHOST);
         let key = (events_uri.endpoint_key(), ca_cert.clone());
         self.trackers.get_or_make(key, || {
-            Ok(ConsumerTracker::start(Arc::new(Broker::open(events_uri, ca_cert, self.connection_name.clone())?)))
+            Ok(ConsumerTracker::start(Arc::new(Broker::open_for_events(
+                events_uri,
+                ca_cert,
+                self.connection_name.clone(),
+            )?)))
         })
     }
 

@@ -47,6 +47,8 @@ pub const RESYNC_POLLING: Duration = Duration::from_secs(2);
 pub const RESYNC_PENDING: Duration = Duration::from_secs(1);
 /// Wait before subscribing again after the plugin was found missing.
 const PLUGIN_RETRY: Duration = Duration::from_secs(60);
+/// A subscription that lasted this long was healthy: when it ends, subscribe again at once.
+const STABLE_SUBSCRIPTION: Duration = Duration::from_secs(10);
 /// How often a cluster's nodes are read: a crashed node's consumers must not count as attached
 /// for longer than this plus the management API's view of the crash (well under a second on
 /// loopback, `scripts/rabbitmq-cluster.sh`).
@@ -477,11 +479,15 @@ async fn events_loop(tracker: Weak<ConsumerTracker>) {
             return;
         }
         let wait = match outcome {
-            // The consumer stream ended: the connection went away after a subscription.
-            Ok(()) => {
+            // The consumer stream ended: the connection went away after a subscription. One
+            // that held a while is subscribed again at once; one that ends soon after each
+            // start (a frame the connection refused, sent again and again) backs off, so its
+            // resyncs of every tracked vhost do not come every half second.
+            Ok(lasted) if lasted >= STABLE_SUBSCRIPTION => {
                 delays = crate::broker::amqp::reconnect_delays();
                 Duration::from_millis(500)
             }
+            Ok(_) => delays.next().unwrap_or(Duration::from_secs(30)),
             Err(SubscribeError::PluginMissing(why)) => {
                 if let Some(t) = tracker.upgrade() {
                     tracing::warn!(broker = %t.broker.uri.display(), %why, "no broker events; polling the management API");
@@ -505,9 +511,10 @@ enum SubscribeError {
     Connection(String),
 }
 
-/// Subscribes and feeds the registry until the stream ends (or the tracker is dropped).
-async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError> {
-    let Some(t) = tracker.upgrade() else { return Ok(()) };
+/// Subscribes and feeds the registry until the stream ends (or the tracker is dropped);
+/// returns how long the subscription lasted.
+async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<Duration, SubscribeError> {
+    let Some(t) = tracker.upgrade() else { return Ok(Duration::ZERO) };
     let amqp = &t.broker.amqp;
     let err = |e: AmqpError| match e {
         AmqpError::Refused(r) if r.code == NOT_FOUND => {
@@ -544,6 +551,7 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError
         .await
         .map_err(err)?;
     t.set_events(Ok(()));
+    let subscribed = std::time::Instant::now();
     // Whatever happened before the subscription only a snapshot can tell: one now, for what
     // went away, and one once consumers that came meanwhile are listed.
     t.request_resync();
@@ -555,20 +563,28 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<(), SubscribeError
         }
     });
     drop(t);
+    let mut ended = "the broker ended it".to_owned();
     while let Some(delivery) = deliveries.next().await {
-        let Some(t) = tracker.upgrade() else { return Ok(()) };
-        let Ok(delivery) = delivery else { break };
+        let Some(t) = tracker.upgrade() else { return Ok(subscribed.elapsed()) };
+        let delivery = match delivery {
+            Ok(delivery) => delivery,
+            Err(e) => {
+                ended = e.to_string();
+                break;
+            }
+        };
         let Some(headers) = delivery.properties.headers() else { continue };
         let Some(event) = events::parse(delivery.routing_key.as_str(), headers) else { continue };
         tracing::trace!(?event, "broker event");
         t.apply(event);
     }
     if let Some(t) = tracker.upgrade() {
+        tracing::warn!(broker = %t.broker.uri.display(), reason = %ended, lasted = ?subscribed.elapsed(), "event subscription lost; subscribing again");
         t.set_events(Err("event subscription lost; reconnecting".into()));
         // Its node may be the one that went down.
         t.node_check.notify_one();
     }
-    Ok(())
+    Ok(subscribed.elapsed())
 }
 
 pub fn now_ms() -> i64 {
