@@ -473,7 +473,7 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
         }
     };
     let mut changes = tracker.subscribe();
-    tracker.watch_queue(queue.clone());
+    let _interest = tracker.watch(queue.clone());
     tracker.wait_synced(&queue.vhost, std::time::Duration::from_secs(15)).await;
     match tracker.tracking(&queue.vhost) {
         Tracking::Unavailable(why) => {

@@ -66,6 +66,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<Endpoints>) -> 
 
 async fn metrics(State(state): State<Arc<Endpoints>>) -> impl IntoResponse {
     state.metrics.broker_connections(&state.brokers.connection_states(), &state.trackers.connection_states());
+    state.metrics.tracker_entries(&state.trackers.footprints());
     ([("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render())
 }
 

@@ -75,6 +75,13 @@ struct BrokerLabels {
     connection: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TrackerLabels {
+    broker: String,
+    /// What is counted: `connections`, `channels`, `consumers`, `bookkeeping`, `vhosts`, `queues`.
+    kind: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Every metric the operator exports, in one registry.
@@ -101,6 +108,7 @@ pub struct Metrics {
     pattern_deleted: Family<PatternLabels, Counter>,
     pattern_findings: Family<PatternFindingLabels, Gauge>,
     broker_up: Family<BrokerLabels, Gauge>,
+    tracker_entries: Family<TrackerLabels, Gauge>,
     leader: Gauge,
     /// The queue series of each policy, removed with it.
     queues: Mutex<HashMap<PolicyLabels, HashSet<QueueLabels>>>,
@@ -197,6 +205,12 @@ impl Default for Metrics {
         families.add("pattern_finding", "1 while a QueuePattern finding (label finding) is seen", &pattern_findings);
         let broker_up = Family::default();
         families.add("broker_connection_up", "1 while the AMQP connection to the broker is open", &broker_up);
+        let tracker_entries = Family::default();
+        families.add(
+            "tracker_entries",
+            "What a consumer tracker holds (label kind): it follows the queues policies name, not the broker's size",
+            &tracker_entries,
+        );
         let leader = Gauge::default();
         families.add("leader", "1 while this replica holds the leader lease", &leader);
         Self {
@@ -221,6 +235,7 @@ impl Default for Metrics {
             pattern_deleted,
             pattern_findings,
             broker_up,
+            tracker_entries,
             leader,
             queues: Mutex::default(),
         }
@@ -360,6 +375,17 @@ impl Metrics {
             for (broker, up) in states {
                 let labels = BrokerLabels { broker: broker.clone(), connection };
                 self.broker_up.get_or_create(&labels).set((*up).into());
+            }
+        }
+    }
+
+    /// What each broker's consumer tracker holds now.
+    pub fn tracker_entries(&self, trackers: &[(String, Vec<(&'static str, usize)>)]) {
+        self.tracker_entries.clear();
+        for (broker, counts) in trackers {
+            for (kind, n) in counts {
+                let labels = TrackerLabels { broker: broker.clone(), kind };
+                self.tracker_entries.get_or_create(&labels).set(*n as i64);
             }
         }
     }

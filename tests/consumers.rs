@@ -51,6 +51,7 @@ async fn events_report_attach_and_detach_with_peer_connection_prefetch_and_ack_m
     let name = unique("tracked");
     declare(&name).await;
     let key = QueueKey::new("/", &name);
+    let _interest = t.watch(key.clone());
     let mut rx = t.subscribe();
 
     let pod = unique("worker-pod");
@@ -109,6 +110,7 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
     });
     assert!(listed.await);
     let t = tracker(&broker_uri());
+    let _interest = t.watch(key.clone());
     assert!(t.wait_synced("/", Duration::from_secs(10)).await);
     let found = t.consumers_on(&key);
     assert_eq!(found.len(), 1, "{found:?}");
@@ -125,7 +127,7 @@ async fn a_watched_queue_deleted_behind_our_back_is_noticed() {
     let name = unique("deleted");
     declare(&name).await;
     let key = QueueKey::new("/", &name);
-    t.watch_queue(key.clone());
+    let _interest = t.watch(key.clone());
     let mut rx = t.subscribe();
     let (_c, ch) = app().await;
     ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
@@ -167,7 +169,7 @@ async fn without_events_the_tracker_polls_and_says_so() {
     let name = unique("polled");
     declare(&name).await;
     let key = QueueKey::new("/", &name);
-    t.watch_queue(key.clone());
+    let _interest = t.watch(key.clone());
     let (_conn, ch) = app().await;
     let _p1 = ch
         .basic_consume(name.as_str().into(), "p1".into(), BasicConsumeOptions::default(), FieldTable::default())
@@ -416,6 +418,7 @@ async fn a_consume_with_huge_arguments_does_not_cut_the_event_subscription() {
     // consume can carry and still come back in an event within the broker's 128 KiB frames.
     let hostile = unique("huge-args");
     declare(&hostile).await;
+    let _hostile_interest = t.watch(QueueKey::new("/", &hostile));
     let (_hostile_conn, hostile_ch) = named_app(&unique("hostile")).await;
     let mut consumers = Vec::new();
     for (i, padding) in [64 * 1024, 126 * 1024].into_iter().enumerate() {
@@ -432,6 +435,7 @@ async fn a_consume_with_huge_arguments_does_not_cut_the_event_subscription() {
     let name = unique("after-huge");
     declare(&name).await;
     let key = QueueKey::new("/", &name);
+    let _interest = t.watch(key.clone());
     let (_conn, ch) = named_app(&unique("worker")).await;
     let started = std::time::Instant::now();
     let _c = ch
@@ -492,4 +496,76 @@ async fn consumes_at_the_frame_limit_repeated_make_the_subscription_back_off() {
     assert!(subscriptions >= 1, "the refused frame did cut the subscription (what this test is about)");
     assert!(subscriptions <= 6, "backed off (0.5 + 1 + 2 + 4 s), not every half second: {subscriptions}");
     delete_queues(&[&hostile]).await;
+}
+
+/// The tracker keeps only what a policy needs, and lets go of it: 1,000 client connections
+/// with a consumer each come and go in ten waves, while 100 policies' interests (queue and
+/// dead-letter queue, as the gate binds them) come and go ten at a time. Afterwards the
+/// tracker holds exactly what it held before (nothing), and connections of vhosts no policy
+/// names are never kept at all. In a vhost of its own, so other tests' traffic is not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_churn_of_connections_and_policies_leaves_the_tracker_as_it_was() {
+    let vhost = unique("churn").replace('.', "-");
+    mgmt_put(&format!("vhosts/{}", enc(&vhost)), json!({})).await;
+    mgmt_put(&format!("permissions/{}/guest", enc(&vhost)), json!({"configure": ".*", "write": ".*", "read": ".*"}))
+        .await;
+    let uri = format!("{}{}", broker_uri().trim_end_matches("%2F"), enc(&vhost));
+    let pool = TrackerPool::new(&unique("tracker"));
+    let t = pool.tracker(&BrokerUri::parse(&broker_uri(), Some(&management_base())).unwrap(), None).unwrap();
+    let empty = t.footprint();
+    assert_eq!(empty, (Default::default(), 0, 0));
+
+    let mut previous: Vec<queueguard::consumers::tracker::Interest> = Vec::new();
+    for wave in 0..10 {
+        // Ten new policies take over from the last wave's.
+        let queues: Vec<String> = (0..10).map(|i| format!("q{wave}.{i}")).collect();
+        let interests: Vec<_> = queues
+            .iter()
+            .flat_map(|q| [q.clone(), format!("{q}.dlq")])
+            .map(|q| t.watch(QueueKey::new(&vhost, q)))
+            .collect();
+        drop(std::mem::replace(&mut previous, interests));
+        assert!(t.wait_synced(&vhost, Duration::from_secs(10)).await);
+        let conns = futures::future::join_all((0..100).map(|n| {
+            let (uri, queue) = (uri.clone(), queues[n % 10].clone());
+            async move {
+                let conn = Connection::connect(&uri, ConnectionProperties::default()).await.unwrap();
+                let ch = conn.create_channel().await.unwrap();
+                let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+                ch.queue_declare(queue.as_str().into(), durable, FieldTable::default()).await.unwrap();
+                let consumer = ch
+                    .basic_consume(
+                        queue.as_str().into(),
+                        "c".into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .unwrap();
+                (conn, ch, consumer)
+            }
+        }))
+        .await;
+        let all_seen = eventually(Duration::from_secs(15), || async { t.footprint().0.consumers == 100 });
+        assert!(all_seen.await, "wave {wave}: {:?}", t.footprint());
+        let (held, vhosts, watched) = t.footprint();
+        assert!(held.connections <= 100 && held.channels <= 100, "wave {wave}: {held:?}");
+        assert_eq!((vhosts, watched), (1, 20), "wave {wave}");
+        // Channel first, answered, then the connection (lapin's own close of a dropped channel
+        // would race the connection's).
+        futures::future::join_all(conns.into_iter().map(|(conn, ch, consumer)| async move {
+            drop(consumer);
+            ch.close(200, "bye".into()).await.unwrap();
+            conn.close(200, "bye".into()).await.unwrap();
+        }))
+        .await;
+        let all_gone = eventually(Duration::from_secs(15), || async {
+            let (held, _, _) = t.footprint();
+            held.connections == 0 && held.channels == 0 && held.consumers == 0
+        });
+        assert!(all_gone.await, "wave {wave}: {:?}", t.footprint());
+    }
+    drop(previous);
+    assert_eq!(t.footprint(), empty, "every policy gone: the tracker holds what it held before");
+    mgmt_delete(&format!("vhosts/{}", enc(&vhost))).await;
 }

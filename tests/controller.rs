@@ -443,13 +443,14 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     let (ctx, mut api) = harness();
     let tracker = live_tracker(&ctx).await;
     let plan = declared(&p).await;
+    let key = queueguard::consumers::QueueKey::new("/", &name);
+    let _interest = tracker.watch(key.clone());
     let (conn, ch) = app().await;
     ch.basic_qos(10, Default::default()).await.unwrap();
     let consumer = ch
         .basic_consume(name.as_str().into(), "worker-ctag".into(), Default::default(), Default::default())
         .await
         .unwrap();
-    let key = queueguard::consumers::QueueKey::new("/", &name);
     assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&key).len() == 1 }).await);
     watched(&ctx, &[&p], &[worker_deployment(json!({"type": "Recreate"}))], &[worker_pod(None)], &[]);
 

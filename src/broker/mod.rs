@@ -82,8 +82,9 @@ impl Broker {
 pub type EndpointKey = (u64, Option<String>);
 
 /// How long an endpoint nobody has asked for is kept: every policy reconciles at least every
-/// 20 s, so an endpoint idle this long has been left (its Secret rotated, its policies gone).
-pub const IDLE_ENDPOINT: Duration = Duration::from_secs(40);
+/// minute (a Ready one every 20 s, one waiting on a conflict every 60 s: `pass`), so an
+/// endpoint idle this long has been left (its Secret rotated, its policies gone).
+pub const IDLE_ENDPOINT: Duration = Duration::from_secs(150);
 
 /// Shared values by endpoint, each with when it was last asked for, so that those nobody asked
 /// for in [`IDLE_ENDPOINT`] can be let go ([`Self::sweep`]).
@@ -110,11 +111,13 @@ impl<T> Pool<T> {
         Ok(value)
     }
 
-    /// Lets go of the values nobody asked for since `unused_since`; returns how many.
+    /// Lets go of the values nobody asked for since `unused_since` and nobody else holds (a
+    /// tracker the gate still counts consumers through stays: made again, it would forget
+    /// every attach time); returns how many.
     pub fn sweep(&self, unused_since: Instant) -> usize {
         let mut items = lock(&self.items);
         let before = items.len();
-        items.retain(|_, (_, used)| *used >= unused_since);
+        items.retain(|_, (value, used)| *used >= unused_since || Arc::strong_count(value) > 1);
         before - items.len()
     }
 
@@ -197,4 +200,25 @@ impl BrokerPool {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sweep_lets_go_of_what_nobody_asked_for_unless_someone_still_holds_it() {
+        let pool: Pool<String> = Pool::default();
+        let key = |n: u64| (n, None);
+        let left = pool.get_or_make::<()>(key(1), || Ok(Arc::new("left".into()))).unwrap();
+        let held = pool.get_or_make::<()>(key(2), || Ok(Arc::new("held".into()))).unwrap();
+        drop(left);
+        // Nobody asked for either since: the one still held (a tracker the gate counts
+        // consumers through) stays, so the next ask gets it back, not a new one.
+        assert_eq!(pool.sweep(Instant::now() + Duration::from_secs(1)), 1);
+        let again = pool.get_or_make::<()>(key(2), || Ok(Arc::new("new".into()))).unwrap();
+        assert!(Arc::ptr_eq(&held, &again));
+        let remade = pool.get_or_make::<()>(key(1), || Ok(Arc::new("new".into()))).unwrap();
+        assert_eq!(remade.as_str(), "new");
+    }
 }

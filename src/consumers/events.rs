@@ -14,11 +14,14 @@ pub fn parse(routing_key: &str, headers: &FieldTable) -> Option<BrokerEvent> {
         "connection.created" => BrokerEvent::ConnectionCreated {
             pid: h.string("pid")?,
             name: h.string("name")?,
+            vhost: h.string("vhost")?,
             user_provided_name: h.string("user_provided_name"),
             connected_ms: h.int("connected_at"),
         },
         "connection.closed" => BrokerEvent::ConnectionClosed { pid: h.string("pid")?, name: h.string("name") },
-        "channel.created" => BrokerEvent::ChannelCreated { pid: h.string("pid")?, name: h.string("name")? },
+        "channel.created" => {
+            BrokerEvent::ChannelCreated { pid: h.string("pid")?, name: h.string("name")?, vhost: h.string("vhost")? }
+        }
         "channel.closed" => BrokerEvent::ChannelClosed { pid: h.string("pid")? },
         "consumer.created" => BrokerEvent::ConsumerCreated {
             channel_pid: h.string("channel")?,
@@ -122,6 +125,7 @@ mod tests {
         let conn = table(&[
             ("pid", s("<k>")),
             ("name", s("10.0.0.5:4000 -> 10.0.0.9:5672")),
+            ("vhost", s("orders")),
             ("user_provided_name", s("worker-1")),
             ("connected_at", AMQPValue::LongLongInt(1_796_400_161_952)),
         ]);
@@ -130,11 +134,12 @@ mod tests {
             Some(BrokerEvent::ConnectionCreated {
                 pid: "<k>".into(),
                 name: "10.0.0.5:4000 -> 10.0.0.9:5672".into(),
+                vhost: "orders".into(),
                 user_provided_name: Some("worker-1".into()),
                 connected_ms: Some(1_796_400_161_952),
             })
         );
-        let unnamed = table(&[("pid", s("<k>")), ("name", s("n"))]);
+        let unnamed = table(&[("pid", s("<k>")), ("name", s("n")), ("vhost", s("/"))]);
         assert!(matches!(
             parse("connection.created", &unnamed),
             Some(BrokerEvent::ConnectionCreated { user_provided_name: None, .. })
@@ -142,11 +147,16 @@ mod tests {
         let chan = table(&[
             ("pid", s("<c>")),
             ("name", s("10.0.0.5:4000 -> 10.0.0.9:5672 (1)")),
+            ("vhost", s("/")),
             ("number", AMQPValue::LongLongInt(1)),
         ]);
         assert_eq!(
             parse("channel.created", &chan),
-            Some(BrokerEvent::ChannelCreated { pid: "<c>".into(), name: "10.0.0.5:4000 -> 10.0.0.9:5672 (1)".into() })
+            Some(BrokerEvent::ChannelCreated {
+                pid: "<c>".into(),
+                name: "10.0.0.5:4000 -> 10.0.0.9:5672 (1)".into(),
+                vhost: "/".into()
+            })
         );
         assert_eq!(
             parse("connection.closed", &table(&[("pid", s("<k>")), ("name", s("n")), ("node", s("rabbit@a"))])),

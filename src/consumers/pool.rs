@@ -48,6 +48,24 @@ impl TrackerPool {
         latest_states(all)
     }
 
+    /// What each tracker holds, by broker address (see [`ConsumerTracker::footprint`]).
+    pub fn footprints(&self) -> Vec<(String, Vec<(&'static str, usize)>)> {
+        let mut all = Vec::new();
+        self.trackers.each(|t, _| {
+            let (held, vhosts, queues) = t.footprint();
+            let counts = vec![
+                ("connections", held.connections),
+                ("channels", held.channels),
+                ("consumers", held.consumers),
+                ("bookkeeping", held.bookkeeping),
+                ("vhosts", vhosts),
+                ("queues", queues),
+            ];
+            all.push((t.broker().amqp.display(), counts));
+        });
+        all
+    }
+
     /// Management API requests sent across all trackers.
     pub fn management_requests(&self) -> u64 {
         let mut n = 0;

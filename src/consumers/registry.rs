@@ -2,6 +2,11 @@
 //! snapshots of the management API, one vhost at a time. Pure: events and snapshots go in,
 //! changes come out.
 //!
+//! Only what some policy needs is kept: consumers of the queues of interest, and connections and
+//! channels of their vhosts (events come for the whole broker). Connections and channels whose
+//! close was missed (the subscription was down) go when a snapshot of their vhost no longer
+//! lists their connection.
+//!
 //! Consumers are keyed by channel name and consumer tag, the one identity both sources share:
 //! events name channels by pid (mapped through `channel.created`), the management API by name.
 //! The management API lags by its statistics interval for new items (it drops removed ones at
@@ -99,13 +104,41 @@ impl Change {
 /// What the event exchange says, already parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BrokerEvent {
-    ConnectionCreated { pid: String, name: String, user_provided_name: Option<String>, connected_ms: Option<i64> },
-    ConnectionClosed { pid: String, name: Option<String> },
-    ChannelCreated { pid: String, name: String },
-    ChannelClosed { pid: String },
-    ConsumerCreated { channel_pid: String, queue: QueueKey, tag: String, prefetch: u32, ack_required: bool, at_ms: i64 },
-    ConsumerDeleted { channel_pid: String, queue: QueueKey, tag: String },
-    QueueDeleted { queue: QueueKey },
+    ConnectionCreated {
+        pid: String,
+        name: String,
+        vhost: String,
+        user_provided_name: Option<String>,
+        connected_ms: Option<i64>,
+    },
+    ConnectionClosed {
+        pid: String,
+        name: Option<String>,
+    },
+    ChannelCreated {
+        pid: String,
+        name: String,
+        vhost: String,
+    },
+    ChannelClosed {
+        pid: String,
+    },
+    ConsumerCreated {
+        channel_pid: String,
+        queue: QueueKey,
+        tag: String,
+        prefetch: u32,
+        ack_required: bool,
+        at_ms: i64,
+    },
+    ConsumerDeleted {
+        channel_pid: String,
+        queue: QueueKey,
+        tag: String,
+    },
+    QueueDeleted {
+        queue: QueueKey,
+    },
 }
 
 /// What a snapshot knows of a connection.
@@ -120,8 +153,27 @@ pub struct ConnectionFacts {
 pub struct Snapshot {
     pub vhost: String,
     pub consumers: Vec<Consumer>,
-    /// By connection name (`peer:port -> host:port`).
-    pub connections: HashMap<String, ConnectionFacts>,
+    /// By connection name (`peer:port -> host:port`); None when they could not be listed.
+    pub connections: Option<HashMap<String, ConnectionFacts>>,
+}
+
+/// A connection or channel known by its pid (from its `*.created` event, or placed by a
+/// snapshot), with its vhost and when it was learned.
+#[derive(Debug, Clone)]
+struct Pid {
+    name: String,
+    vhost: String,
+    since_ms: i64,
+}
+
+/// How much the registry holds, for `/metrics` and the tests that show it does not grow.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Footprint {
+    pub connections: usize,
+    pub channels: usize,
+    pub consumers: usize,
+    /// Everything else: connection facts, recent removals, unplaced consumers, vhosts to resync.
+    pub bookkeeping: usize,
 }
 
 type Key = (String, String);
@@ -138,16 +190,20 @@ struct Unplaced {
 
 #[derive(Debug, Default)]
 pub struct Registry {
-    /// Connection name by pid; facts by connection name.
-    connections: HashMap<String, String>,
+    /// The queues some policy needs, and their vhosts.
+    interest: BTreeSet<QueueKey>,
+    vhosts: BTreeSet<String>,
+    /// Connections by pid; facts by connection name.
+    connections: HashMap<String, Pid>,
     connection_facts: HashMap<String, ConnectionFacts>,
-    /// Channel name by pid, and the reverse.
-    channels: HashMap<String, String>,
+    /// Channels by pid, and the pid by channel name.
+    channels: HashMap<String, Pid>,
     channel_pids: HashMap<String, String>,
     consumers: BTreeMap<Key, Consumer>,
     by_queue: HashMap<QueueKey, BTreeSet<Key>>,
-    /// Consumers an event removed, and when: a lagging snapshot must not bring them back.
-    removed: HashMap<Key, i64>,
+    /// Consumers an event removed, when, and in which vhost: a lagging snapshot must not bring
+    /// them back.
+    removed: HashMap<Key, (i64, String)>,
     /// Queue and tag of consumers removed while unplaced or on a channel without a known pid.
     removed_unplaced: HashMap<(QueueKey, String), i64>,
     /// When each consumer was first seen through an event (snapshots may not yet list it).
@@ -159,41 +215,68 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// Keeps consumers of `queues` only, and connections and channels of their vhosts; lets go
+    /// of everything else at once.
+    pub fn set_interest(&mut self, queues: BTreeSet<QueueKey>) {
+        self.vhosts = queues.iter().map(|q| q.vhost.clone()).collect();
+        self.interest = queues;
+        let dropped: Vec<Key> =
+            self.consumers.iter().filter(|(_, c)| !self.interest.contains(&c.queue)).map(|(k, _)| k.clone()).collect();
+        for key in dropped {
+            self.forget_consumer(&key);
+        }
+        let interest = &self.interest;
+        let vhosts = &self.vhosts;
+        self.by_queue.retain(|q, _| interest.contains(q));
+        self.unplaced.retain(|u| interest.contains(&u.queue));
+        self.removed_unplaced.retain(|(q, _), _| interest.contains(q));
+        self.removed.retain(|_, (_, vhost)| vhosts.contains(vhost));
+        self.resync_wanted.retain(|v| vhosts.contains(v));
+        self.connections.retain(|_, c| vhosts.contains(&c.vhost));
+        self.channels.retain(|_, c| vhosts.contains(&c.vhost));
+        let channels = &self.channels;
+        self.channel_pids.retain(|_, pid| channels.contains_key(pid));
+        self.prune_facts();
+    }
+
+    fn wanted(&self, queue: &QueueKey) -> bool {
+        self.interest.contains(queue)
+    }
+
     pub fn apply(&mut self, event: BrokerEvent, now_ms: i64) -> Vec<Change> {
         match event {
-            BrokerEvent::ConnectionCreated { pid, name, user_provided_name, connected_ms } => {
-                self.connection_facts.insert(name.clone(), ConnectionFacts { user_provided_name, connected_ms });
-                self.connections.insert(pid, name);
+            BrokerEvent::ConnectionCreated { pid, name, vhost, user_provided_name, connected_ms } => {
+                if self.vhosts.contains(&vhost) {
+                    self.connection_facts.insert(name.clone(), ConnectionFacts { user_provided_name, connected_ms });
+                    self.connections.insert(pid, Pid { name, vhost, since_ms: now_ms });
+                }
                 vec![]
             }
             BrokerEvent::ConnectionClosed { pid, name } => {
-                let Some(name) = self.connections.remove(&pid).or(name) else { return vec![] };
-                self.connection_facts.remove(&name);
-                let channels: Vec<String> =
-                    self.channel_pids.keys().filter(|c| connection_of(c) == name).cloned().collect();
-                for channel in &channels {
-                    if let Some(pid) = self.channel_pids.remove(channel) {
-                        self.channels.remove(&pid);
-                    }
-                }
-                let keys: Vec<Key> =
-                    self.consumers.keys().filter(|(channel, _)| connection_of(channel) == name).cloned().collect();
-                keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
+                let Some(name) = self.connections.remove(&pid).map(|c| c.name).or(name) else { return vec![] };
+                self.drop_connection(&name, now_ms)
             }
-            BrokerEvent::ChannelCreated { pid, name } => {
-                self.channel_pids.insert(name.clone(), pid.clone());
-                self.channels.insert(pid, name);
+            BrokerEvent::ChannelCreated { pid, name, vhost } => {
+                if self.vhosts.contains(&vhost) {
+                    self.channel_pids.insert(name.clone(), pid.clone());
+                    self.channels.insert(pid, Pid { name, vhost, since_ms: now_ms });
+                }
                 vec![]
             }
             BrokerEvent::ChannelClosed { pid } => {
                 self.unplaced.retain(|u| u.channel_pid != pid);
-                let Some(channel) = self.channels.remove(&pid) else { return vec![] };
+                let Some(channel) = self.channels.remove(&pid).map(|c| c.name) else { return vec![] };
                 self.channel_pids.remove(&channel);
                 let keys: Vec<_> = self.consumers.keys().filter(|(c, _)| *c == channel).cloned().collect();
                 keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
             }
+            BrokerEvent::ConsumerCreated { queue, .. } | BrokerEvent::ConsumerDeleted { queue, .. }
+                if !self.wanted(&queue) =>
+            {
+                vec![]
+            }
             BrokerEvent::ConsumerCreated { channel_pid, queue, tag, prefetch, ack_required, at_ms } => {
-                let Some(channel) = self.channels.get(&channel_pid).cloned() else {
+                let Some(channel) = self.channels.get(&channel_pid).map(|c| c.name.clone()) else {
                     let known = |u: &Unplaced| u.channel_pid == channel_pid && u.queue == queue && u.tag == tag;
                     if !self.unplaced.iter().any(known) {
                         self.resync_wanted.insert(queue.vhost.clone());
@@ -233,8 +316,8 @@ impl Registry {
                 if known { vec![] } else { vec![Change::Attached { consumer }] }
             }
             BrokerEvent::ConsumerDeleted { channel_pid, queue, tag } => {
-                if let Some(channel) = self.channels.get(&channel_pid).cloned() {
-                    return self.remove((channel, tag), now_ms).into_iter().collect();
+                if let Some(channel) = self.channels.get(&channel_pid).map(|c| c.name.clone()) {
+                    return self.remove_in((channel, tag), Some(&queue.vhost), now_ms).into_iter().collect();
                 }
                 let before = self.unplaced.len();
                 self.unplaced.retain(|u| !(u.channel_pid == channel_pid && u.queue == queue && u.tag == tag));
@@ -244,8 +327,7 @@ impl Registry {
                     [key] => {
                         let key = key.clone();
                         // The pid is now known: later events on this channel take the fast path.
-                        self.channels.insert(channel_pid.clone(), key.0.clone());
-                        self.channel_pids.insert(key.0.clone(), channel_pid);
+                        self.bind_pid(channel_pid, &key.0, &queue.vhost, now_ms);
                         self.removed_unplaced.insert((queue, tag), now_ms);
                         self.remove(key, now_ms).into_iter().collect()
                     }
@@ -261,6 +343,7 @@ impl Registry {
                     }
                 }
             }
+            BrokerEvent::QueueDeleted { queue } if !self.wanted(&queue) => vec![],
             BrokerEvent::QueueDeleted { queue } => {
                 self.unplaced.retain(|u| u.queue != queue);
                 let keys: Vec<_> = self.by_queue.get(&queue).into_iter().flatten().cloned().collect();
@@ -268,6 +351,48 @@ impl Registry {
                 changes.push(Change::QueueDeleted { queue });
                 changes
             }
+        }
+    }
+
+    fn bind_pid(&mut self, pid: String, channel: &str, vhost: &str, now_ms: i64) {
+        self.channel_pids.insert(channel.to_owned(), pid.clone());
+        self.channels.insert(pid, Pid { name: channel.to_owned(), vhost: vhost.to_owned(), since_ms: now_ms });
+    }
+
+    /// A connection gone: its channels, facts and consumers with it.
+    fn drop_connection(&mut self, name: &str, now_ms: i64) -> Vec<Change> {
+        self.connection_facts.remove(name);
+        let channels: Vec<String> = self.channel_pids.keys().filter(|c| connection_of(c) == name).cloned().collect();
+        for channel in &channels {
+            if let Some(pid) = self.channel_pids.remove(channel) {
+                self.channels.remove(&pid);
+            }
+        }
+        let keys: Vec<Key> =
+            self.consumers.keys().filter(|(channel, _)| connection_of(channel) == name).cloned().collect();
+        keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
+    }
+
+    /// Facts are kept for connections known by pid or carrying a consumer, no others.
+    fn prune_facts(&mut self) {
+        let mut needed: std::collections::HashSet<&str> = self.connections.values().map(|c| c.name.as_str()).collect();
+        needed.extend(self.consumers.keys().map(|(channel, _)| connection_of(channel)));
+        self.connection_facts.retain(|name, _| needed.contains(name.as_str()));
+    }
+
+    pub fn footprint(&self) -> Footprint {
+        Footprint {
+            connections: self.connections.len(),
+            channels: self.channels.len(),
+            consumers: self.consumers.len(),
+            bookkeeping: self.connection_facts.len()
+                + self.channel_pids.len()
+                + self.by_queue.len()
+                + self.removed.len()
+                + self.removed_unplaced.len()
+                + self.event_seen.len()
+                + self.unplaced.len()
+                + self.resync_wanted.len(),
         }
     }
 
@@ -294,31 +419,49 @@ impl Registry {
     }
 
     fn remove(&mut self, key: Key, now_ms: i64) -> Option<Change> {
-        self.event_seen.remove(&key);
-        self.removed.insert(key.clone(), now_ms);
-        let consumer = self.consumers.remove(&key)?;
+        self.remove_in(key, None, now_ms)
+    }
+
+    /// Removes a consumer an event says is gone, remembering the removal in its vhost (or
+    /// `vhost`, for one not known yet).
+    fn remove_in(&mut self, key: Key, vhost: Option<&str>, now_ms: i64) -> Option<Change> {
+        let consumer = self.forget_consumer(&key);
+        if let Some(vhost) = consumer.as_ref().map(|c| c.queue.vhost.as_str()).or(vhost) {
+            self.removed.insert(key, (now_ms, vhost.to_owned()));
+        }
+        consumer.map(|consumer| Change::Detached { consumer })
+    }
+
+    fn forget_consumer(&mut self, key: &Key) -> Option<Consumer> {
+        self.event_seen.remove(key);
+        let consumer = self.consumers.remove(key)?;
         if let Some(keys) = self.by_queue.get_mut(&consumer.queue) {
-            keys.remove(&key);
+            keys.remove(key);
             if keys.is_empty() {
                 self.by_queue.remove(&consumer.queue);
             }
         }
-        Some(Change::Detached { consumer })
+        Some(consumer)
     }
 
     /// Replaces one vhost's picture with a management API snapshot, within the event grace
     /// rules, and places what waited for it.
     pub fn resync(&mut self, snapshot: Snapshot, now_ms: i64) -> Vec<Change> {
         let Snapshot { vhost, consumers, connections } = snapshot;
-        self.connection_facts.extend(connections);
-        self.removed.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
+        if let Some(listed) = connections {
+            self.drop_unlisted(&vhost, &listed, now_ms);
+            self.connection_facts.extend(listed);
+        }
+        self.removed.retain(|_, (at, _)| now_ms - *at < EVENT_GRACE_MS);
         self.removed_unplaced.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
         self.event_seen.retain(|_, at| now_ms - *at < EVENT_GRACE_MS);
-        let placed = self.place_unplaced(&vhost, &consumers);
+        let placed = self.place_unplaced(&vhost, &consumers, now_ms);
         self.unplaced.retain(|u| u.until_ms > now_ms);
         let mut changes = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        for mut consumer in consumers.into_iter().filter(|c| c.queue.vhost == vhost) {
+        let consumers: Vec<Consumer> =
+            consumers.into_iter().filter(|c| c.queue.vhost == vhost && self.interest.contains(&c.queue)).collect();
+        for mut consumer in consumers {
             let key = (consumer.channel.clone(), consumer.tag.clone());
             seen.insert(key.clone());
             if self.removed.contains_key(&key) {
@@ -373,13 +516,34 @@ impl Registry {
         } else {
             self.resync_wanted.remove(&vhost);
         }
+        self.prune_facts();
         changes
+    }
+
+    /// Connections and channels of `vhost`, learned before this snapshot's grace period, whose
+    /// connection the snapshot does not list: their close events were missed.
+    fn drop_unlisted(&mut self, vhost: &str, listed: &HashMap<String, ConnectionFacts>, now_ms: i64) {
+        let stale = |p: &Pid, connection: &str| {
+            p.vhost == vhost && now_ms - p.since_ms >= EVENT_GRACE_MS && !listed.contains_key(connection)
+        };
+        self.connections.retain(|_, c| !stale(c, &c.name));
+        let gone: Vec<String> = self
+            .channels
+            .iter()
+            .filter(|(_, c)| stale(c, connection_of(&c.name)))
+            .map(|(pid, _)| pid.clone())
+            .collect();
+        for pid in gone {
+            if let Some(c) = self.channels.remove(&pid) {
+                self.channel_pids.remove(&c.name);
+            }
+        }
     }
 
     /// Binds the pid of each unplaced consumer that this snapshot lists unambiguously (exactly
     /// one new consumer with its queue and tag on a channel without a known pid); returns their
     /// attach times from the events.
-    fn place_unplaced(&mut self, vhost: &str, consumers: &[Consumer]) -> HashMap<Key, i64> {
+    fn place_unplaced(&mut self, vhost: &str, consumers: &[Consumer], now_ms: i64) -> HashMap<Key, i64> {
         let mut placed = Vec::new();
         for (i, u) in self.unplaced.iter().enumerate().filter(|(_, u)| u.queue.vhost == vhost) {
             let candidates: Vec<&Consumer> = consumers
@@ -399,8 +563,7 @@ impl Registry {
         for (i, channel) in placed.into_iter().rev() {
             let u = self.unplaced.remove(i);
             if !channel.is_empty() {
-                self.channels.insert(u.channel_pid.clone(), channel.clone());
-                self.channel_pids.insert(channel.clone(), u.channel_pid);
+                self.bind_pid(u.channel_pid, &channel, vhost, now_ms);
                 attached.insert((channel, u.tag), u.at_ms);
             }
         }
@@ -416,8 +579,8 @@ impl Registry {
         let mut dead_channels = BTreeSet::new();
         for pid in dead_pids {
             if let Some(channel) = self.channels.remove(&pid) {
-                self.channel_pids.remove(&channel);
-                dead_channels.insert(channel);
+                self.channel_pids.remove(&channel.name);
+                dead_channels.insert(channel.name);
             }
         }
         self.connections.retain(|pid, _| !on_down(pid));
@@ -427,7 +590,9 @@ impl Registry {
             .filter(|(k, c)| c.node.as_ref().is_some_and(|n| down.contains(n)) || dead_channels.contains(&k.0))
             .map(|(k, _)| k.clone())
             .collect();
-        keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect()
+        let changes = keys.into_iter().filter_map(|k| self.remove(k, now_ms)).collect();
+        self.prune_facts();
+        changes
     }
 
     /// Consumers of one queue, oldest first.
@@ -502,18 +667,26 @@ mod tests {
         BrokerEvent::ConsumerDeleted { channel_pid: pid.into(), queue: q(), tag: tag.into() }
     }
 
-    fn with_channel() -> Registry {
+    /// A registry that keeps `orders` in `/` and in `other-vhost`.
+    fn registry() -> Registry {
         let mut r = Registry::default();
+        r.set_interest(BTreeSet::from([q(), QueueKey::new("other-vhost", "orders")]));
+        r
+    }
+
+    fn with_channel() -> Registry {
+        let mut r = registry();
         r.apply(
             BrokerEvent::ConnectionCreated {
                 pid: "<k1>".into(),
                 name: CONN.into(),
+                vhost: "/".into(),
                 user_provided_name: Some("worker-abc".into()),
                 connected_ms: Some(900),
             },
             0,
         );
-        r.apply(BrokerEvent::ChannelCreated { pid: "<c1>".into(), name: CH.into() }, 0);
+        r.apply(BrokerEvent::ChannelCreated { pid: "<c1>".into(), name: CH.into(), vhost: "/".into() }, 0);
         r
     }
 
@@ -539,7 +712,7 @@ mod tests {
     }
 
     fn snapshot(consumers: Vec<Consumer>) -> Snapshot {
-        Snapshot { vhost: "/".into(), consumers, connections: HashMap::new() }
+        Snapshot { vhost: "/".into(), consumers, connections: None }
     }
 
     fn tags(r: &Registry) -> Vec<String> {
@@ -561,22 +734,75 @@ mod tests {
 
     #[test]
     fn a_consumer_whose_connection_is_not_listed_keeps_its_vhost_due_until_a_snapshot_dates_it() {
-        let mut r = Registry::default();
+        let mut r = registry();
         // The connections listing failed: the consumer is known, its connection's age is not.
         r.resync(snapshot(vec![undated(CH, "t1", 1_000)]), 1_000);
         assert_eq!(r.consumers_on(&q())[0].connected_ms, None);
         assert!(r.resync_wanted().contains("/"), "read again soon, not in 30 s");
         let mut dated = snapshot(vec![undated(CH, "t1", 2_000)]);
-        dated.connections.insert(CONN.into(), ConnectionFacts { user_provided_name: None, connected_ms: Some(900) });
+        dated.connections =
+            Some(HashMap::from([(CONN.into(), ConnectionFacts { user_provided_name: None, connected_ms: Some(900) })]));
         r.resync(dated, 2_000);
         assert_eq!(r.consumers_on(&q())[0].connected_ms, Some(900));
         assert!(r.resync_wanted().is_empty(), "settled");
         // The same through an event on a channel whose connection was never seen.
-        let mut r = Registry::default();
-        r.apply(BrokerEvent::ChannelCreated { pid: "<c1>".into(), name: CH.into() }, 0);
+        let mut r = registry();
+        r.apply(BrokerEvent::ChannelCreated { pid: "<c1>".into(), name: CH.into(), vhost: "/".into() }, 0);
         r.apply(created("t1", 1_000), 1_000);
         assert_eq!(r.consumers_on(&q())[0].connected_ms, None);
         assert!(r.resync_wanted().contains("/"));
+    }
+
+    #[test]
+    fn only_the_queues_of_interest_and_their_vhosts_are_kept_and_let_go_with_the_interest() {
+        let mut r = with_channel();
+        let elsewhere = |pid: &str, vhost: &str| BrokerEvent::ChannelCreated {
+            pid: pid.into(),
+            name: format!("10.9.0.1:1 -> 10.9.9.9:5672 ({pid})"),
+            vhost: vhost.into(),
+        };
+        r.apply(elsewhere("<x1>", "billing"), 0);
+        let unwatched = BrokerEvent::ConsumerCreated {
+            channel_pid: "<c1>".into(),
+            queue: QueueKey::new("/", "not-ours"),
+            tag: "t".into(),
+            prefetch: 1,
+            ack_required: true,
+            at_ms: 1,
+        };
+        assert!(r.apply(unwatched, 1).is_empty(), "a queue no policy names");
+        assert!(r.apply(BrokerEvent::QueueDeleted { queue: QueueKey::new("/", "not-ours") }, 1).is_empty());
+        r.apply(created("t1", 1), 1);
+        assert_eq!(r.footprint().connections, 1);
+        assert_eq!((r.footprint().channels, r.footprint().consumers), (1, 1), "billing's channel is not kept");
+        r.set_interest(BTreeSet::new());
+        assert_eq!(r.footprint(), Footprint::default(), "nothing left: {r:?}");
+    }
+
+    #[test]
+    fn connections_whose_close_was_missed_go_when_a_snapshot_no_longer_lists_them() {
+        let mut r = with_channel();
+        r.apply(created("t1", 1), 1);
+        let listing =
+            |names: &[&str]| Some(names.iter().map(|n| (n.to_string(), ConnectionFacts::default())).collect());
+        // Listed: kept. Not listed but learned moments ago: kept (the listing lags).
+        r.resync(
+            Snapshot { vhost: "/".into(), consumers: vec![listed(CH, "t1", 1)], connections: listing(&[CONN]) },
+            5_000,
+        );
+        r.resync(
+            Snapshot { vhost: "/".into(), consumers: vec![listed(CH, "t1", 1)], connections: listing(&[]) },
+            6_000,
+        );
+        assert_eq!((r.footprint().connections, r.footprint().channels), (1, 1));
+        // No longer listed after the grace period: its close event was missed.
+        r.resync(Snapshot { vhost: "/".into(), consumers: vec![], connections: listing(&[]) }, 20_000);
+        let f = r.footprint();
+        assert_eq!((f.connections, f.channels, f.consumers), (0, 0, 0), "{r:?}");
+        // A listing that failed proves nothing.
+        let mut r = with_channel();
+        r.resync(Snapshot { vhost: "/".into(), consumers: vec![], connections: None }, 20_000);
+        assert_eq!((r.footprint().connections, r.footprint().channels), (1, 1));
     }
 
     #[test]
@@ -634,12 +860,12 @@ mod tests {
 
     #[test]
     fn snapshots_add_missed_consumers_and_remove_vanished_ones_of_their_vhost_only() {
-        let mut r = Registry::default();
+        let mut r = registry();
         let mut first = snapshot(vec![undated(CH, "t1", 100)]);
-        first.connections.insert(
+        first.connections = Some(HashMap::from([(
             CONN.into(),
             ConnectionFacts { user_provided_name: Some("worker-abc".into()), connected_ms: Some(40) },
-        );
+        )]));
         let other = QueueKey::new("other-vhost", "orders");
         let mut elsewhere = listed(OLD_CH, "t9", 100);
         elsewhere.queue = other.clone();
@@ -679,7 +905,7 @@ mod tests {
     /// that lists it, counted from the event, and its pid is learned for the events after.
     #[test]
     fn a_consumer_created_on_an_unknown_channel_waits_for_a_snapshot_then_takes_the_fast_path() {
-        let mut r = Registry::default();
+        let mut r = registry();
         assert!(r.apply(created_on("<old>", "t1", 1_000), 1_000).is_empty(), "not attached until placed");
         assert!(r.apply(created_on("<old>", "t1", 1_000), 1_001).is_empty(), "twice: still one wait");
         assert_eq!(r.resync_wanted().iter().collect::<Vec<_>>(), ["/"]);
@@ -697,7 +923,7 @@ mod tests {
 
     #[test]
     fn an_unplaced_consumer_is_given_up_after_its_deadline() {
-        let mut r = Registry::default();
+        let mut r = registry();
         r.apply(created_on("<old>", "t1", 0), 0);
         r.resync(snapshot(vec![]), PLACE_WITHIN_MS + 1);
         assert!(r.resync_wanted().is_empty());
@@ -726,7 +952,7 @@ mod tests {
 
     #[test]
     fn two_matching_consumers_on_unknown_channels_are_settled_by_a_snapshot_not_a_guess() {
-        let mut r = Registry::default();
+        let mut r = registry();
         let other = "10.1.2.8:42000 -> 10.9.9.9:5672 (1)";
         r.resync(snapshot(vec![listed(OLD_CH, "worker", 100), listed(other, "worker", 100)]), 100);
         assert!(r.apply(deleted_on("<old>", "worker"), 200).is_empty());
@@ -739,7 +965,7 @@ mod tests {
 
     #[test]
     fn a_consumer_gone_before_it_was_placed_is_not_revived_by_a_snapshot_that_predates_its_removal() {
-        let mut r = Registry::default();
+        let mut r = registry();
         r.apply(created_on("<old>", "t1", 1_000), 1_000);
         assert!(r.apply(deleted_on("<old>", "t1"), 1_500).is_empty());
         assert!(r.resync(snapshot(vec![listed(OLD_CH, "t1", 2_000)]), 2_000).is_empty());
@@ -774,12 +1000,12 @@ mod tests {
     /// from events and snapshots alike, and nothing on the other nodes moves.
     #[test]
     fn a_node_seen_down_takes_its_consumers_with_it_and_only_those() {
-        let mut r = Registry::default();
+        let mut r = registry();
         let on = |node: &str, n: u32| format!("<{node}@localhost.1796318000.{n}.0>");
         for (node, n, name) in
             [("qa", 1, "10.0.0.1:1 -> 10.0.0.9:5701 (1)"), ("qb", 2, "10.0.0.2:1 -> 10.0.0.9:5702 (1)")]
         {
-            r.apply(BrokerEvent::ChannelCreated { pid: on(node, n), name: name.into() }, 0);
+            r.apply(BrokerEvent::ChannelCreated { pid: on(node, n), name: name.into(), vhost: "/".into() }, 0);
             r.apply(created_on(&on(node, n), &format!("events-{node}"), 10), 10);
         }
         let mut from_snapshot = listed("10.0.0.3:1 -> 10.0.0.9:5702 (1)", "snapshot-qb", 5);

@@ -137,12 +137,47 @@ pub struct ConsumerTracker {
     snapshots: watch::Sender<u64>,
     /// Shared with the resync loop, which must not hold the tracker while it waits.
     resync: Arc<Notify>,
-    /// Queues whose deletion matters, and whether the last snapshot saw them.
-    watched: Mutex<HashMap<QueueKey, bool>>,
+    /// The queues some holder of an [`Interest`] needs: their consumers are kept, their
+    /// deletion noticed (whether the last snapshot saw them).
+    watched: Mutex<HashMap<QueueKey, Watched>>,
     deleted: Mutex<HashSet<QueueKey>>,
     nodes: Mutex<Nodes>,
     /// Wakes the node check early (the subscription was lost).
     node_check: Arc<Notify>,
+}
+
+/// One queue of interest.
+#[derive(Debug, Default)]
+struct Watched {
+    holders: usize,
+    seen: bool,
+}
+
+/// A queue's consumers and deletion kept track of for as long as this lives (a policy's
+/// binding, a `consumers --watch`); the last one dropped lets go of what was kept for it.
+pub struct Interest {
+    tracker: Weak<ConsumerTracker>,
+    queue: QueueKey,
+}
+
+impl Interest {
+    pub fn queue(&self) -> &QueueKey {
+        &self.queue
+    }
+}
+
+impl Drop for Interest {
+    fn drop(&mut self) {
+        if let Some(t) = self.tracker.upgrade() {
+            t.unwatch(&self.queue);
+        }
+    }
+}
+
+impl std::fmt::Debug for Interest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Interest({})", self.queue)
+    }
 }
 
 /// The cluster as last read.
@@ -282,10 +317,61 @@ impl ConsumerTracker {
         self.resync.notify_one();
     }
 
-    /// Registers a queue whose deletion should be noticed even without events; tracks its vhost.
-    pub fn watch_queue(&self, queue: QueueKey) {
+    /// Keeps track of `queue` (its consumers, its deletion even without events, its vhost) until
+    /// the returned [`Interest`], and every other one in it, is dropped.
+    pub fn watch(self: &Arc<Self>, queue: QueueKey) -> Interest {
+        let new = {
+            let mut watched = lock(&self.watched);
+            let entry = watched.entry(queue.clone()).or_default();
+            entry.holders += 1;
+            entry.holders == 1
+        };
+        if new {
+            self.interest_changed();
+            // Consumers that were there before it mattered come from a snapshot.
+            self.request_resync_of(&queue.vhost);
+        }
         self.track_vhost(&queue.vhost);
-        lock(&self.watched).entry(queue).or_insert(false);
+        Interest { tracker: Arc::downgrade(self), queue }
+    }
+
+    fn unwatch(&self, queue: &QueueKey) {
+        let gone = {
+            let mut watched = lock(&self.watched);
+            let Some(entry) = watched.get_mut(queue) else { return };
+            entry.holders -= 1;
+            let gone = entry.holders == 0;
+            if gone {
+                watched.remove(queue);
+            }
+            gone
+        };
+        if !gone {
+            return;
+        }
+        lock(&self.deleted).remove(queue);
+        let vhost_needed = lock(&self.watched).keys().any(|q| q.vhost == queue.vhost);
+        if !vhost_needed {
+            lock(&self.vhosts).remove(&queue.vhost);
+        }
+        self.interest_changed();
+    }
+
+    fn interest_changed(&self) {
+        let queues = lock(&self.watched).keys().cloned().collect();
+        lock(&self.registry).set_interest(queues);
+    }
+
+    fn request_resync_of(&self, vhost: &str) {
+        if let Some(v) = lock(&self.vhosts).get_mut(vhost) {
+            v.requested = true;
+        }
+        self.resync.notify_one();
+    }
+
+    /// How much the tracker holds: the registry's entries, and the vhosts and queues tracked.
+    pub fn footprint(&self) -> (crate::consumers::registry::Footprint, usize, usize) {
+        (lock(&self.registry).footprint(), lock(&self.vhosts).len(), lock(&self.watched).len())
     }
 
     /// True once per deletion of `queue` seen since the last call.
@@ -375,6 +461,9 @@ impl ConsumerTracker {
     async fn read(&self, vhost: &str) -> Result<(), String> {
         let m = &self.broker.management;
         let watched: Vec<QueueKey> = lock(&self.watched).keys().filter(|q| q.vhost == vhost).cloned().collect();
+        if watched.is_empty() && !lock(&self.vhosts).contains_key(vhost) {
+            return Ok(()); // let go of while it was due
+        }
         // The queue list also proves the vhost readable: the management API lists the consumers
         // of a vhost the user may not access as none at all.
         let (consumers, connections, queues) =
@@ -383,30 +472,32 @@ impl ConsumerTracker {
         let present: HashSet<String> =
             queues.map_err(|e| format!("reading the queues of vhost '{vhost}': {e}"))?.into_iter().collect();
         // Without connection facts, names and connection times are unknown until the next read.
-        let connections = connections.unwrap_or_else(|e| {
-            tracing::debug!(%vhost, error = %e, "could not read the vhost's connections");
-            vec![]
-        });
+        let connections = connections
+            .inspect_err(|e| tracing::debug!(%vhost, error = %e, "could not read the vhost's connections"))
+            .ok();
         let now = now_ms();
         let snapshot = Snapshot {
             vhost: vhost.to_owned(),
             consumers: consumers.into_iter().map(|c| from_info(c, now)).collect(),
-            connections: connections
-                .into_iter()
-                .map(|c| {
-                    (c.name, ConnectionFacts { user_provided_name: c.user_provided_name, connected_ms: c.connected_at })
-                })
-                .collect(),
+            connections: connections.map(|list| {
+                list.into_iter()
+                    .map(|c| {
+                        let facts =
+                            ConnectionFacts { user_provided_name: c.user_provided_name, connected_ms: c.connected_at };
+                        (c.name, facts)
+                    })
+                    .collect()
+            }),
         };
         let mut changes = lock(&self.registry).resync(snapshot, now);
         // Without events, a watched queue that was there and is gone was deleted.
         for queue in watched {
-            if let Some(seen) = lock(&self.watched).get_mut(&queue) {
+            if let Some(w) = lock(&self.watched).get_mut(&queue) {
                 let now_present = present.contains(&queue.name);
-                if *seen && !now_present {
+                if w.seen && !now_present {
                     changes.push(Change::QueueDeleted { queue: queue.clone() });
                 }
-                *seen = now_present;
+                w.seen = now_present;
             }
         }
         self.publish(changes);

@@ -5,7 +5,10 @@
 
 use super::{Context, Error, FIELD_MANAGER};
 use crate::{
-    consumers::{Change, Consumer, ConsumerTracker, QueueKey, Tracking, tracker::now_ms},
+    consumers::{
+        Change, Consumer, ConsumerTracker, QueueKey, Tracking,
+        tracker::{Interest, now_ms},
+    },
     crd::{BudgetOwner, DisruptionBudgetObservation, GateMode, QueuePolicy},
     events::{EventReason, EventSpec},
     gate::{
@@ -63,6 +66,8 @@ pub struct Gate {
     /// Since when the pod-condition writer has had a patch out and no answer from the API server
     /// (None: idle, or answered since).
     unanswered_since: Mutex<Option<tokio::time::Instant>>,
+    /// What each bound policy asked its tracker to keep (its queue and dead-letter queue).
+    interests: Mutex<HashMap<ObjectKey, [Interest; 2]>>,
 }
 
 /// Where a policy's consumers are counted and its queues watched for deletion.
@@ -115,6 +120,7 @@ impl Gate {
             synced: watch::channel(false).0,
             relists: Mutex::default(),
             unanswered_since: Mutex::default(),
+            interests: Mutex::default(),
         });
         tokio::spawn(write_conditions(Arc::downgrade(&gate), client, recorder, metrics, write_rx));
         tokio::spawn(run_timers(Arc::downgrade(&gate), gate.timer.clone()));
@@ -176,6 +182,16 @@ impl Gate {
     /// `dead_letter_queue`) through `tracker`, or why it cannot, and makes sure that tracker's
     /// changes reach the index.
     pub fn bind(self: &Arc<Self>, policy: &ObjectKey, binding: Result<QueueWatch, Unbound>) {
+        // The tracker keeps the consumers and deletion of these queues while the binding lasts.
+        let interests = binding
+            .as_ref()
+            .ok()
+            .map(|w| [w.tracker.watch(w.queue.clone()), w.tracker.watch(w.dead_letter_queue.clone())]);
+        let replaced = match interests {
+            Some(i) => lock(&self.interests).insert(policy.clone(), i),
+            None => lock(&self.interests).remove(policy),
+        };
+        drop(replaced);
         let binding = binding.map(|QueueWatch { tracker, queue, dead_letter_queue }| {
             let source = tracker.id();
             let new = lock(&self.trackers).insert(source, tracker.clone()).is_none();
@@ -204,10 +220,23 @@ impl Gate {
     }
 
     pub fn forget_policy(&self, policy: &ObjectKey) {
-        let sources = self.update(|i| {
-            i.remove_policy(policy);
-            i.sources()
-        });
+        self.update(|i| i.remove_policy(policy));
+        self.keep_what_is_bound();
+    }
+
+    /// Lets go of the trackers and queue interests of policies no longer bound (deleted, or
+    /// gone from a re-list).
+    fn keep_what_is_bound(&self) {
+        let (bound, sources) = {
+            let index = lock(&self.index);
+            (index.bound_policies(), index.sources())
+        };
+        let released: Vec<[Interest; 2]> = {
+            let mut interests = lock(&self.interests);
+            let gone: Vec<ObjectKey> = interests.keys().filter(|k| !bound.contains(*k)).cloned().collect();
+            gone.iter().filter_map(|k| interests.remove(k)).collect()
+        };
+        drop(released);
         self.keep_trackers(&sources);
     }
 
@@ -233,7 +262,10 @@ impl Gate {
                 let facts = o.facts(self.limits);
                 self.update(|i| K::upsert(i, facts, now));
             }
-            watcher::Event::Delete(o) => self.update(|i| K::remove(i, o)),
+            watcher::Event::Delete(o) => {
+                self.update(|i| K::remove(i, o));
+                self.keep_what_is_bound();
+            }
             watcher::Event::Init => *K::relist(&mut lock(&self.relists)) = Some(vec![]),
             watcher::Event::InitApply(o) => {
                 let facts = o.facts(self.limits);
@@ -242,6 +274,7 @@ impl Gate {
             watcher::Event::InitDone => {
                 let all = K::relist(&mut lock(&self.relists)).take().unwrap_or_default();
                 self.update(|i| K::replace(i, all, now));
+                self.keep_what_is_bound();
             }
         }
     }

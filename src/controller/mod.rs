@@ -508,14 +508,10 @@ async fn broker_side(
     let generation = policy.metadata.generation;
     let queue = QueueKey::new(broker.vhost(), &plan.queue);
     let dead_letter_queue = QueueKey::new(broker.vhost(), &plan.dead_letter_queue);
-    // Every managed queue and dead-letter queue is watched, gated or not, so a deletion behind
-    // the operator's back is repaired at once.
+    // Every managed queue and dead-letter queue is watched (the gate's binding, made by every
+    // pass, gated or not), so a deletion behind the operator's back is repaired at once. Both
+    // are taken: each deletion is told once.
     let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
-    if let Some(t) = &tracker {
-        t.watch_queue(queue.clone());
-        t.watch_queue(dead_letter_queue.clone());
-    }
-    // Both are taken: each deletion is told once.
     let deleted: Vec<&str> = [&queue, &dead_letter_queue]
         .into_iter()
         .filter(|q| tracker.as_ref().is_some_and(|t| t.take_deleted(q)))

@@ -885,6 +885,11 @@ impl GateIndex {
     }
 
     /// The trackers some policy counts consumers through.
+    /// The policies bound to a tracker.
+    pub fn bound_policies(&self) -> BTreeSet<ObjectKey> {
+        self.policies.iter().filter(|(_, e)| e.binding.is_ok()).map(|(k, _)| k.clone()).collect()
+    }
+
     pub fn sources(&self) -> BTreeSet<u64> {
         self.bound.keys().map(|(source, _)| *source).collect()
     }

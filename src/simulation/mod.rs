@@ -112,9 +112,8 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     if !tracker.wait_synced(uri.vhost(), Duration::from_secs(15)).await || !tracker.tracking(uri.vhost()).is_live() {
         return Err(format!("cannot see the broker's consumers: {}", tracker.tracking(uri.vhost())));
     }
-    for key in &keys {
-        tracker.watch_queue(key.clone());
-    }
+    // Held for the whole run: the tracker keeps these queues' consumers while they live.
+    let _interests: Vec<_> = keys.iter().map(|key| tracker.watch(key.clone())).collect();
     let mut changes = tracker.subscribe();
 
     let mut declared = Vec::new();
