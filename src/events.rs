@@ -79,7 +79,7 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             warning: Truth::of(&now.status) != Truth::True,
             reason: EventReason::Condition(reason),
             action,
-            note: truncate(&now.message),
+            note: now.message.clone(),
         };
         if !events.iter().any(|e| e.reason == event.reason && e.note == event.note) {
             events.push(event);
@@ -106,7 +106,7 @@ pub fn finding_transitions(
         .filter_map(|&(kind, reason)| {
             let now = new.iter().find(|c| c.type_ == kind)?;
             match (was_seen(kind), holds(now)) {
-                (false, true) => Some(EventSpec { warning: true, reason, action, note: truncate(&now.message) }),
+                (false, true) => Some(EventSpec { warning: true, reason, action, note: now.message.clone() }),
                 (true, false) => Some(EventSpec {
                     warning: false,
                     reason: EventReason::FindingCleared,
@@ -119,6 +119,8 @@ pub fn finding_transitions(
         .collect()
 }
 
+/// An Event's note as the API server takes it: cut to [`MAX_NOTE`] bytes (a longer one is
+/// refused, and the Event lost). Applied where Events are published, so every note is.
 pub fn truncate(text: &str) -> String {
     if text.len() <= MAX_NOTE {
         return text.to_owned();

@@ -4,9 +4,12 @@
 
 use crate::{broker::BrokerPool, consumers::TrackerPool, metrics::Metrics};
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
-use std::sync::{
-    Arc,
-    atomic::{AtomicBool, Ordering},
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
 };
 
 /// What the probes report.
@@ -58,10 +61,80 @@ pub fn router(state: Arc<Endpoints>) -> Router {
         .with_state(state)
 }
 
+/// What one client of the endpoints may hold: a scraper or a probe sends a few hundred bytes
+/// of headers, so slow or silent ones are let go, and a flood of connections cannot take every
+/// file descriptor or task.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientLimits {
+    /// For the headers of each request, the first and each on a kept-alive connection.
+    pub headers: Duration,
+    /// Connections served at once; those beyond are closed at once.
+    pub connections: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        Self { headers: Duration::from_secs(10), connections: 64 }
+    }
+}
+
 /// Serves the endpoints until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<Endpoints>) -> std::io::Result<()> {
-    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
-    axum::serve(listener, router(state)).await
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<Endpoints>, limits: ClientLimits) {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    }
+    let app = router(state);
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let _: std::convert::Infallible = accept_loop(
+        || async { listener.accept().await.map(|(tcp, _)| tcp) },
+        |tcp| {
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                tracing::debug!("metrics endpoint at its connection limit; closing a new connection");
+                return;
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            tokio::spawn(async move {
+                let mut http = hyper::server::conn::http1::Builder::new();
+                http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(limits.headers);
+                if let Err(e) = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service).await {
+                    tracing::debug!(error = %e, "metrics connection ended");
+                }
+                drop(slot);
+            });
+        },
+    )
+    .await;
+}
+
+/// After a failed accept (out of file descriptors, say), wait this long before the next, doubling
+/// up to [`ACCEPT_BACKOFF_MAX`]: retrying at once would spin a core.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Hands every accepted connection to `handle`, for ever. A failed accept (out of file
+/// descriptors, say) fails again at once if retried at once: wait, doubling up to the maximum.
+/// Shared by these endpoints and the admission webhook.
+pub(crate) async fn accept_loop<S, Fut>(
+    mut accept: impl FnMut() -> Fut,
+    mut handle: impl FnMut(S),
+) -> std::convert::Infallible
+where
+    Fut: std::future::Future<Output = std::io::Result<S>>,
+{
+    let mut backoff = ACCEPT_BACKOFF;
+    loop {
+        match accept().await {
+            Ok(connection) => {
+                backoff = ACCEPT_BACKOFF;
+                handle(connection);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "could not accept a connection");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+            }
+        }
+    }
 }
 
 async fn metrics(State(state): State<Arc<Endpoints>>) -> impl IntoResponse {
@@ -79,6 +152,63 @@ async fn readyz(State(state): State<Arc<Endpoints>>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[tokio::test(start_paused = true)]
+    async fn failing_accepts_back_off_instead_of_spinning_and_a_success_resets_the_wait() {
+        let calls = AtomicUsize::new(0);
+        let handled = AtomicUsize::new(0);
+        // Four failures, one connection, then failures for ever.
+        let accept = || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move { if n == 4 { Ok(n) } else { Err(std::io::Error::other("too many open files")) } }
+        };
+        let run = accept_loop(accept, |_| {
+            handled.fetch_add(1, Ordering::SeqCst);
+        });
+        // Waits 10 + 20 + 40 + 80 ms, accepts, then 10, 20, 40, ... up to 1 s each.
+        let _ = tokio::time::timeout(Duration::from_secs(5), run).await;
+        let calls = calls.load(Ordering::SeqCst);
+        assert_eq!(handled.load(Ordering::SeqCst), 1);
+        // 150 ms to the success; then 10..640 ms (1,270 ms) and 1 s waits fill the rest: 5 + 8 + 3.
+        assert_eq!(calls, 16, "accept attempts in 5 s");
+    }
+
+    /// A client that sends no headers is let go at the header limit, and connections beyond the
+    /// cap are closed at once while /metrics still answers within it.
+    #[tokio::test]
+    async fn slow_clients_are_let_go_and_connections_are_capped() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let endpoints = Arc::new(Endpoints {
+            metrics: Arc::default(),
+            health: Arc::new(Health::new(false)),
+            brokers: Arc::new(BrokerPool::new("t")),
+            trackers: Arc::new(TrackerPool::new("t")),
+        });
+        let limits = ClientLimits { headers: Duration::from_millis(300), connections: 3 };
+        tokio::spawn(serve(listener, endpoints, limits));
+        let closed_within = |mut tcp: tokio::net::TcpStream, within: Duration| async move {
+            let mut buf = Vec::new();
+            tokio::time::timeout(within, tcp.read_to_end(&mut buf)).await.is_ok()
+        };
+        let silent: Vec<_> = futures::future::join_all((0..3).map(|_| tokio::net::TcpStream::connect(addr))).await;
+        let silent: Vec<_> = silent.into_iter().map(Result::unwrap).collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let beyond = tokio::net::TcpStream::connect(addr).await.unwrap();
+        assert!(closed_within(beyond, Duration::from_millis(200)).await, "a fourth connection is closed at once");
+        let started = std::time::Instant::now();
+        for tcp in silent {
+            assert!(closed_within(tcp, Duration::from_secs(2)).await, "a silent client is let go");
+        }
+        assert!(started.elapsed() >= Duration::from_millis(200), "not before the header limit");
+        let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
+        scrape.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+        let mut answer = String::new();
+        scrape.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.contains("# EOF"), "{answer}");
+    }
 
     #[test]
     fn a_standby_is_ready_and_a_leader_only_once_synced() {

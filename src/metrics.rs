@@ -112,6 +112,8 @@ pub struct Metrics {
     leader: Gauge,
     /// The queue series of each policy, removed with it.
     queues: Mutex<HashMap<PolicyLabels, HashSet<QueueLabels>>>,
+    /// The error kinds counted for each policy or pattern, removed with it.
+    error_kinds: Mutex<HashMap<PolicyLabels, HashSet<&'static str>>>,
 }
 
 fn reconcile_buckets() -> Histogram {
@@ -238,6 +240,7 @@ impl Default for Metrics {
             tracker_entries,
             leader,
             queues: Mutex::default(),
+            error_kinds: Mutex::default(),
         }
     }
 }
@@ -251,8 +254,22 @@ impl Metrics {
             .inc();
         if let Some(kind) = error {
             self.errors.get_or_create(&ErrorLabels { namespace, policy: name, kind }).inc();
+            self.error_kinds.lock().unwrap_or_else(|p| p.into_inner()).entry(policy.clone()).or_default().insert(kind);
         }
         self.duration.get_or_create(policy).observe(took.as_secs_f64());
+    }
+
+    /// The reconcile counts and durations of a policy or pattern that is gone.
+    fn forget_reconciles(&self, policy: &PolicyLabels) {
+        let PolicyLabels { namespace, policy: name } = policy.clone();
+        for result in ["ok", "error"] {
+            self.reconciles.remove(&ResultLabels { namespace: namespace.clone(), policy: name.clone(), result });
+        }
+        let kinds = self.error_kinds.lock().unwrap_or_else(|p| p.into_inner()).remove(policy).unwrap_or_default();
+        for kind in kinds {
+            self.errors.remove(&ErrorLabels { namespace: namespace.clone(), policy: name.clone(), kind });
+        }
+        self.duration.remove(policy);
     }
 
     /// The queue counts and gate state one reconcile saw; what it could not see is left as it was.
@@ -313,7 +330,7 @@ impl Metrics {
     /// A deleted policy's series go with it.
     pub fn forget(&self, policy: &PolicyLabels) {
         self.forget_gate(policy);
-        self.duration.remove(policy);
+        self.forget_reconciles(policy);
         self.gate_wait.remove(policy);
         for f in crate::crd::Finding::ALL {
             let labels = FindingLabels {
@@ -351,6 +368,7 @@ impl Metrics {
     }
 
     pub fn forget_pattern(&self, pattern: &PolicyLabels) {
+        self.forget_reconciles(pattern);
         let labels = PatternLabels { namespace: pattern.namespace.clone(), pattern: pattern.policy.clone() };
         for family in [&self.pattern_queues, &self.pattern_orphaned] {
             family.remove(&labels);
@@ -459,6 +477,8 @@ mod tests {
     #[test]
     fn queue_depths_follow_the_latest_observation_and_go_with_the_policy() {
         let m = Metrics::default();
+        m.reconciled(&labels(), Duration::from_millis(20), None);
+        m.reconciled(&labels(), Duration::from_millis(20), Some("kube"));
         let mut outcome = Outcome::blocked(Check::failed(Reason::BrokerUnreachable, "down"));
         outcome.queue_observation = Some(QueueObservation {
             name: "orders".into(),

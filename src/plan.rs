@@ -82,6 +82,9 @@ pub fn describe(errors: &[FieldError]) -> String {
     errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }
 
+/// The longest `spec.gate.attachTimeout`.
+pub const MAX_ATTACH_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// Resolves and checks a QueuePolicy. Returns every problem at once, not just the first.
 pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<FieldError>> {
     let mut errors = Errors::default();
@@ -151,6 +154,10 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         check_consumers(&mut errors, consumers);
     }
     let attach_timeout = errors.duration("spec.gate.attachTimeout", &spec.gate.attach_timeout).unwrap_or_default();
+    // Counted in i64 milliseconds beside timestamps: a bound keeps the sums far from overflow.
+    if attach_timeout > MAX_ATTACH_TIMEOUT {
+        errors.add("spec.gate.attachTimeout", "must be at most 168h (a week)");
+    }
     let stall_after = errors.duration("spec.findings.stallAfter", &spec.findings.stall_after).unwrap_or_default();
 
     let secret_name = spec.broker.secret_ref.name.clone();
@@ -220,6 +227,19 @@ fn check_name(errors: &mut Errors, field: &str, value: &str, what: &str) {
 fn check_consumers(errors: &mut Errors, c: &ConsumersSpec) {
     if c.deployment.is_some() == c.selector.is_some() {
         errors.add("spec.consumers", "set exactly one of deployment and selector");
+    }
+    if let Some(selector) = &c.selector {
+        use kube::core::Selector;
+        match Selector::try_from(selector.clone()) {
+            Err(e) => errors.add("spec.consumers.selector", format!("not a valid label selector: {e}")),
+            // An empty selector selects everything; guarding every Deployment of the namespace
+            // is never what was meant, and guarding none would pass silently.
+            Ok(s) if s.selects_all() => errors.add(
+                "spec.consumers.selector",
+                "is empty: it would select every Deployment of the namespace; give the consumer Deployment's labels",
+            ),
+            Ok(_) => {}
+        }
     }
     if c.min_attached < 1 {
         errors.add("spec.consumers.minAttached", "must be at least 1");
@@ -322,6 +342,38 @@ mod tests {
         dotted.spec.broker.vhost = Some(".".into());
         let errs = plan(&dotted, Limits::default()).unwrap_err();
         assert!(errs[0].field == "spec.broker.vhost" && errs[0].message.contains("dot segments"), "{errs:?}");
+    }
+
+    #[test]
+    fn a_selector_that_selects_nothing_or_everything_is_invalid() {
+        let with_selector = |selector: &str| {
+            let mut p = policy_yaml("{}");
+            p.spec.consumers = Some(serde_yaml_ng::from_str(&format!("{{selector: {selector}}}")).unwrap());
+            plan(&p, Limits::default()).err().unwrap_or_default()
+        };
+        let empty = with_selector("{}");
+        assert!(
+            empty[0].field == "spec.consumers.selector" && empty[0].message.contains("every Deployment"),
+            "{empty:?}"
+        );
+        let bad = with_selector("{matchExpressions: [{key: app, operator: Sideways, values: [w]}]}");
+        assert!(bad[0].message.starts_with("not a valid label selector"), "{bad:?}");
+        assert!(with_selector("{matchLabels: {app: worker}}").is_empty());
+    }
+
+    #[test]
+    fn attach_timeout_is_bounded() {
+        let mut p = policy_yaml("{}");
+        p.spec.consumers = Some(serde_yaml_ng::from_str("{deployment: worker}").unwrap());
+        for too_long in ["169h", "99999999999999h"] {
+            p.spec.gate.attach_timeout = too_long.into();
+            let errs = plan(&p, Limits::default()).unwrap_err();
+            assert!(errs.iter().any(|e| e.field == "spec.gate.attachTimeout"), "{too_long}: {errs:?}");
+        }
+        p.spec.gate.attach_timeout = "169h".into();
+        assert!(plan(&p, Limits::default()).unwrap_err()[0].message.contains("at most 168h"));
+        p.spec.gate.attach_timeout = "168h".into();
+        assert!(plan(&p, Limits::default()).is_ok());
     }
 
     #[test]

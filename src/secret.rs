@@ -11,6 +11,8 @@ pub const URI_KEY: &str = "uri";
 pub const MANAGEMENT_URI_KEY: &str = "managementUri";
 pub const CA_CERT_KEY: &str = "caCert";
 pub const ADDRESSES_KEY: &str = "addresses";
+/// Every key the operator reads; a Secret's other keys are never kept.
+pub const KEYS: [&str; 4] = [URI_KEY, MANAGEMENT_URI_KEY, CA_CERT_KEY, ADDRESSES_KEY];
 
 /// Reads the credentials, or says which key is missing or unreadable (never its value).
 pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {

@@ -233,8 +233,10 @@ async fn deleting_with_retain_leaves_the_queue_and_releases_the_finalizer() {
         assert!(call.body.as_array().unwrap().iter().any(|op| op["op"] == "remove"), "{}", call.body);
         call.respond(StatusCode::OK, &echo.clone());
     });
-    assert_eq!(run(p, ctx).await.unwrap(), Action::await_change());
+    assert_eq!(run(p, ctx.clone()).await.unwrap(), Action::await_change());
     server.await.unwrap();
+    let metrics = ctx.metrics.render();
+    assert!(!metrics.contains(&name), "a deleted policy leaves no series behind:\n{metrics}");
 }
 
 /// A Delete policy sharing its dead-letter exchange and queue with another policy (as the

@@ -31,7 +31,7 @@ async fn probes_and_metrics_answer() {
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(serve(listener, endpoints));
+    tokio::spawn(serve(listener, endpoints, Default::default()));
 
     assert_eq!(get(&format!("{base}/healthz")).await.0, 200);
     let (code, body) = get(&format!("{base}/readyz")).await;

@@ -281,7 +281,7 @@ async fn a_real_prometheus_scrapes_the_operator_fires_an_alert_and_answers_every
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let target = listener.local_addr().unwrap().to_string();
-    tokio::spawn(queueguard::http::serve(listener, endpoints));
+    tokio::spawn(queueguard::http::serve(listener, endpoints, Default::default()));
     let exposition = reqwest::get(format!("http://{target}/metrics")).await.unwrap().text().await.unwrap();
     // What the operator exports: every family it registers (one without series yet has no
     // line in the exposition), and every name it does expose.

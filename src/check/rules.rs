@@ -507,12 +507,13 @@ pub struct RolloutEstimate {
 }
 
 impl RolloutEstimate {
+    /// Saturating: a manifest may say anything (`terminationGracePeriodSeconds` up to 2^63-1).
     pub fn step(&self) -> Duration {
-        self.termination + self.start_up + self.min_attached
+        self.termination.saturating_add(self.start_up).saturating_add(self.min_attached)
     }
 
     pub fn total(&self) -> Duration {
-        self.step() * self.steps
+        self.step().saturating_mul(self.steps)
     }
 }
 
@@ -597,7 +598,7 @@ fn expires_shorter_than_rollout(f: &Facts) -> Vec<Finding> {
                 None => format!("1 step (Recreate replaces all {} at once)", est.replicas),
             };
             let (severity, lease) = lease(p.plan.keep_alive);
-            let advice = Duration::from_secs(total.as_secs().div_ceil(60).max(1) * 60);
+            let advice = Duration::from_secs(total.as_secs().div_ceil(60).max(1).saturating_mul(60));
             out.push(finding(
                 Rule::ExpiresShorterThanRollout,
                 severity,
@@ -1206,6 +1207,10 @@ mod tests {
         assert_eq!(only(&kept, Rule::ExpiresShorterThanRollout).severity, Severity::Warning);
         // Passing: expires above the estimate.
         assert_eq!(found(&text.replace("expires: 5m", "expires: 9m")), vec![]);
+        // Whatever a manifest says, the estimate saturates instead of overflowing.
+        let endless =
+            text.replace("terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds: 9223372036854775807");
+        assert!(only(&endless, Rule::ExpiresShorterThanRollout).message.contains("may take about"));
     }
 
     #[test]

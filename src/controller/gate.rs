@@ -497,7 +497,7 @@ async fn publish_on_pod(recorder: Recorder, patch: PodPatch) {
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
         reason: spec.reason.as_str().into(),
-        note: Some(spec.note),
+        note: Some(crate::events::truncate(&spec.note)),
         action: spec.action.into(),
         secondary: None,
     };

@@ -70,8 +70,6 @@ pub enum Error {
     DeletionBlocked(String),
     #[error("finalizer: {0}")]
     Finalizer(#[source] Box<finalizer::Error<Error>>),
-    #[error("invalid label selector: {0}")]
-    InvalidSelector(String),
     #[error("the QueuePolicy has no uid yet")]
     MissingUid,
     #[error("lost the leader lease")]
@@ -99,7 +97,6 @@ impl Error {
             Self::Kube(_) => "kube",
             Self::DeletionBlocked(_) => "deletion_blocked",
             Self::Finalizer(_) => "finalizer",
-            Self::InvalidSelector(_) => "invalid_selector",
             Self::MissingUid => "missing_uid",
             Self::LeadershipLost | Self::WriterStalled(_) => "leadership_lost",
             Self::NotSynced => "not_synced",
@@ -260,11 +257,7 @@ pub async fn run(config: RunConfig) -> Result<(), Error> {
     });
     let http =
         tokio::net::TcpListener::bind(http_addr).await.map_err(|source| Error::HttpBind { addr: http_addr, source })?;
-    tokio::spawn(async move {
-        if let Err(e) = crate::http::serve(http, endpoints).await {
-            tracing::error!(error = %e, "HTTP endpoints stopped");
-        }
-    });
+    tokio::spawn(crate::http::serve(http, endpoints, Default::default()));
     if let Some(webhook) = webhook {
         start_webhook(webhook, &client, namespace.as_deref());
     }
@@ -439,13 +432,18 @@ where
 {
     let ns = object.namespace().unwrap_or_else(|| "default".into());
     let labels = PolicyLabels { namespace: ns.clone(), policy: object.name_any() };
+    let deleting = object.meta().deletion_timestamp.is_some();
     let started = Instant::now();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
     let result = finalizer::finalizer(&api, FINALIZER, object, handle).await.map_err(|e| match e {
         finalizer::Error::ApplyFailed(e) | finalizer::Error::CleanupFailed(e) => e,
         other => Error::Finalizer(Box::new(other)),
     });
-    ctx.metrics.reconciled(&labels, started.elapsed(), result.as_ref().err().map(Error::metric_label));
+    // A cleanup that succeeded let go of the object and of its series: counting it would make
+    // them again, for an object that is gone.
+    if !(deleting && result.is_ok()) {
+        ctx.metrics.reconciled(&labels, started.elapsed(), result.as_ref().err().map(Error::metric_label));
+    }
     result
 }
 
@@ -814,11 +812,46 @@ pub(crate) async fn publish_for<K: Resource<DynamicType = ()>>(object: &K, ctx: 
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
         reason: spec.reason.as_str().into(),
-        note: Some(spec.note.clone()),
+        note: Some(events::truncate(&spec.note)),
         action: spec.action.into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
         tracing::warn!(error = %e, reason = spec.reason.as_str(), "could not publish event");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    /// A note the API server would refuse (over 1 KiB, a RolloutStalled naming many pods and
+    /// policies, say) goes out cut, not lost with its Event.
+    #[tokio::test]
+    async fn a_long_event_note_is_cut_to_what_the_api_server_takes() {
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let ctx = Context::new(Client::new(service, "default"), "test");
+        let policy = crate::testing::policy_yaml("{}");
+        let spec = EventSpec {
+            warning: true,
+            reason: EventReason::RolloutStalled,
+            action: "GatePod",
+            note: "pod worker-abc waits for its consumer on queue orders; ".repeat(40),
+        };
+        let server = tokio::spawn(async move {
+            let (req, reply) = handle.next_request().await.expect("the Event");
+            let body: serde_json::Value =
+                serde_json::from_slice(&req.into_body().collect_bytes().await.unwrap()).unwrap();
+            reply.send_response(
+                Response::builder().status(201).body(Body::from(serde_json::to_vec(&body).unwrap())).unwrap(),
+            );
+            body["note"].as_str().unwrap().to_owned()
+        });
+        publish_for(&policy, &ctx, &spec).await;
+        let note = server.await.unwrap();
+        assert!(spec.note.len() > 2_000 && note.len() <= 1024, "{} bytes", note.len());
+        assert!(note.starts_with("pod worker-abc waits") && note.ends_with("..."));
     }
 }

@@ -13,8 +13,9 @@ use kube::{Api, Client};
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
+use tokio::time::Instant;
 
 /// How long one read of a Secret serves.
 pub const SECRET_TTL: Duration = Duration::from_secs(60);
@@ -31,13 +32,11 @@ impl Secrets {
     /// hand. Concurrent callers for one Secret share a single read. Absence is never kept: a
     /// Secret created after its policy is found by the next reconcile.
     pub async fn get(&self, client: &Client, ns: &str, name: &str) -> Result<Option<Secret>, kube::Error> {
-        let slot = self
-            .slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((ns.to_owned(), name.to_owned()))
-            .or_default()
-            .clone();
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            evict_stale(&mut slots, Instant::now());
+            slots.entry((ns.to_owned(), name.to_owned())).or_default().clone()
+        };
         let mut kept = slot.lock().await;
         let now = Instant::now();
         if let Some((_, secret)) = kept.as_ref().filter(|(read_at, _)| fresh(*read_at, now)) {
@@ -49,13 +48,27 @@ impl Secrets {
     }
 }
 
+/// Lets go of reads past their time and of absences: a Secret no policy reads any more (or
+/// deleted) is not kept. A slot in use (its read under way) stays.
+fn evict_stale(slots: &mut HashMap<(String, String), Slot>, now: Instant) {
+    slots.retain(|_, slot| match slot.try_lock() {
+        Ok(kept) => kept.as_ref().is_some_and(|(read_at, _)| fresh(*read_at, now)),
+        Err(_) => true,
+    });
+}
+
 fn fresh(read_at: Instant, now: Instant) -> bool {
     now.saturating_duration_since(read_at) < SECRET_TTL
 }
 
-/// Only what the credentials are read from: the name and the data.
+/// Only what the credentials are read from: the name and the keys the operator reads (a
+/// Secret shared with an application may hold much else, none of it the operator's to keep).
 fn trimmed(secret: Secret) -> Secret {
-    let mut kept = Secret { data: secret.data, string_data: secret.string_data, ..Default::default() };
+    let data = secret.data.map(|mut d| {
+        d.retain(|k, _| crate::secret::KEYS.contains(&k.as_str()));
+        d
+    });
+    let mut kept = Secret { data, ..Default::default() };
     kept.metadata.name = secret.metadata.name;
     kept
 }
@@ -72,6 +85,28 @@ mod tests {
         assert!(fresh(t, t));
         assert!(fresh(t, t + SECRET_TTL - Duration::from_millis(1)));
         assert!(!fresh(t, t + SECRET_TTL));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reads_past_their_time_are_let_go_of() {
+        let secrets = Secrets::default();
+        let read = |name: &str| {
+            let slot: Slot = Arc::default();
+            *slot.try_lock().unwrap() = Some((Instant::now(), Secret::default()));
+            ((String::from("ns"), name.to_owned()), slot)
+        };
+        secrets.slots.lock().unwrap().extend([read("a"), read("b")]);
+        secrets.slots.lock().unwrap().insert(("ns".into(), "absent".into()), Slot::default());
+        tokio::time::advance(SECRET_TTL / 2).await;
+        secrets.slots.lock().unwrap().extend([read("c")]);
+        evict_stale(&mut secrets.slots.lock().unwrap(), Instant::now());
+        let mut kept: Vec<String> = secrets.slots.lock().unwrap().keys().map(|(_, n)| n.clone()).collect();
+        kept.sort();
+        assert_eq!(kept, ["a", "b", "c"], "fresh reads stay, an absence does not");
+        tokio::time::advance(SECRET_TTL / 2).await;
+        evict_stale(&mut secrets.slots.lock().unwrap(), Instant::now());
+        let kept: Vec<String> = secrets.slots.lock().unwrap().keys().map(|(_, n)| n.clone()).collect();
+        assert_eq!(kept, ["c"], "a and b are a minute old");
     }
 
     #[tokio::test]
@@ -92,7 +127,7 @@ mod tests {
                         200,
                         serde_json::json!({"apiVersion": "v1", "kind": "Secret",
                         "metadata": {"name": "rabbitmq", "namespace": "ns", "managedFields": [{"manager": "kubectl"}]},
-                        "data": {"uri": "YW1xcDovL3U6cEBoLw=="}}),
+                        "data": {"uri": "YW1xcDovL3U6cEBoLw==", "app-token": "c2VjcmV0"}}),
                     )
                 } else {
                     answer(
@@ -113,7 +148,9 @@ mod tests {
             let secret = secret.unwrap().expect("found");
             assert_eq!(secret.metadata.name.as_deref(), Some("rabbitmq"));
             assert!(secret.metadata.managed_fields.is_none(), "only the name and data are kept");
-            assert_eq!(secret.data.unwrap()["uri"].0, b"amqp://u:p@h/");
+            let data = secret.data.unwrap();
+            assert_eq!(data["uri"].0, b"amqp://u:p@h/");
+            assert!(!data.contains_key("app-token"), "keys the operator does not read are not kept");
         }
         assert_eq!(server.await.unwrap(), vec!["/api/v1/namespaces/ns/secrets/rabbitmq"; 2]);
     }

@@ -95,7 +95,7 @@ impl PodPatch {
             r if r.failed_open() => (true, EventReason::GateFailedOpen),
             _ => (false, EventReason::GateOpened),
         };
-        EventSpec { warning, reason, action: "GatePod", note: crate::events::truncate(&self.message) }
+        EventSpec { warning, reason, action: "GatePod", note: self.message.clone() }
     }
 }
 

@@ -6,7 +6,7 @@ use super::{
     crd::{PatternFinding, QueuePatternStatus},
 };
 use crate::{
-    events::{EventReason, EventSpec, finding_transitions, truncate},
+    events::{EventReason, EventSpec, finding_transitions},
     status::{Check, ConditionType, Reason, Truth, condition_of, finding_condition},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Condition, jiff::Timestamp};
@@ -62,7 +62,7 @@ pub fn transitions(old: &[Condition], new: &[Condition]) -> Vec<EventSpec> {
             warning: Truth::of(&ready.status) != Truth::True,
             reason: EventReason::Condition(reason),
             action: "ApplyPolicy",
-            note: truncate(&ready.message),
+            note: ready.message.clone(),
         });
     }
     let findings = PatternFinding::ALL.map(|f| (f.as_str(), EventReason::PatternFinding(f)));

@@ -176,11 +176,6 @@ impl Default for Timeouts {
     }
 }
 
-/// After a failed accept (out of file descriptors, say), wait this long before the next, doubling
-/// up to [`ACCEPT_BACKOFF_MAX`]: retrying at once would spin a core.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
-const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
-
 impl Webhook {
     /// Serves until the process ends. Fails only when the first certificate cannot be had or
     /// the address cannot be bound.
@@ -207,7 +202,7 @@ async fn serve(
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| WebhookError::Bind { addr, source })?;
     tracing::info!(%addr, "serving the admission webhook");
     let app = router(client, policies);
-    match accept_loop(
+    match crate::http::accept_loop(
         || async { listener.accept().await.map(|(tcp, _)| tcp) },
         |tcp| {
             let (acceptor, app) = (acceptor.clone(), app.clone());
@@ -265,28 +260,6 @@ async fn reload_on_change(source: CertSource, mut serving: (String, String), cur
     }
 }
 
-/// Hands every accepted connection to `handle`, for ever. A failed accept (out of file
-/// descriptors, say) fails again at once if retried at once: wait, doubling up to the maximum.
-async fn accept_loop<S, Fut>(mut accept: impl FnMut() -> Fut, mut handle: impl FnMut(S)) -> std::convert::Infallible
-where
-    Fut: std::future::Future<Output = std::io::Result<S>>,
-{
-    let mut backoff = ACCEPT_BACKOFF;
-    loop {
-        match accept().await {
-            Ok(connection) => {
-                backoff = ACCEPT_BACKOFF;
-                handle(connection);
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "webhook could not accept a connection");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
-            }
-        }
-    }
-}
-
 /// `app`, answering 408 to a request whose body and answer take longer than `limit` (hyper's
 /// header read timeout covers the headers).
 fn within(
@@ -310,30 +283,4 @@ fn within(
             }
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    #[tokio::test(start_paused = true)]
-    async fn failing_accepts_back_off_instead_of_spinning_and_a_success_resets_the_wait() {
-        let calls = AtomicUsize::new(0);
-        let handled = AtomicUsize::new(0);
-        // Four failures, one connection, then failures for ever.
-        let accept = || {
-            let n = calls.fetch_add(1, Ordering::SeqCst);
-            async move { if n == 4 { Ok(n) } else { Err(std::io::Error::other("too many open files")) } }
-        };
-        let run = accept_loop(accept, |_| {
-            handled.fetch_add(1, Ordering::SeqCst);
-        });
-        // Waits 10 + 20 + 40 + 80 ms, accepts, then 10, 20, 40, ... up to 1 s each.
-        let _ = tokio::time::timeout(Duration::from_secs(5), run).await;
-        let calls = calls.load(Ordering::SeqCst);
-        assert_eq!(handled.load(Ordering::SeqCst), 1);
-        // 150 ms to the success; then 10..640 ms (1,270 ms) and 1 s waits fill the rest: 5 + 8 + 3.
-        assert_eq!(calls, 16, "accept attempts in 5 s");
-    }
 }
