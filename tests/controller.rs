@@ -478,7 +478,8 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         let call = api.expect("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/worker-queueguard").await;
         assert_eq!(call.content_type, "application/apply-patch+yaml");
         assert!(call.query.contains("fieldManager=queueguard") && call.query.contains("force=true"));
-        assert_eq!(call.body["spec"], json!({"minAvailable": 1, "selector": {"matchLabels": {"app": "worker"}}}));
+        // One replica: minAvailable 1 would block every drain of its node for good (pdb::drainable).
+        assert_eq!(call.body["spec"], json!({"minAvailable": 0, "selector": {"matchLabels": {"app": "worker"}}}));
         assert_eq!(call.body["metadata"]["labels"]["queueguard.io/deployment"], "worker");
         let owner = &call.body["metadata"]["ownerReferences"][0];
         assert_eq!((owner["kind"].as_str(), owner["name"].as_str()), (Some("QueuePolicy"), Some(n.as_str())));
@@ -493,7 +494,7 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         assert_eq!(status["rollout"]["phase"], "Idle");
         assert_eq!(
             status["disruptionBudgets"],
-            json!([{"deployment": "worker", "name": "worker-queueguard", "owner": "Managed", "minAvailable": 1}])
+            json!([{"deployment": "worker", "name": "worker-queueguard", "owner": "Managed", "minAvailable": 0}])
         );
         assert_eq!(condition(&status, "ConsumersAttached")["reason"], "Attached");
         assert_eq!(condition(&status, "RolloutSafe")["reason"], "RolloutGuarded");

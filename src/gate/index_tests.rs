@@ -86,7 +86,7 @@ fn deployment(name: &str, labels: &[(&str, &str)]) -> DeploymentFacts {
             ..Default::default()
         },
         spec: Some(DeploymentSpec {
-            replicas: Some(1),
+            replicas: Some(3),
             selector: LabelSelector {
                 match_labels: Some([("app".to_owned(), name.to_owned())].into()),
                 ..Default::default()

@@ -28,6 +28,7 @@ pub fn name(deployment: &str) -> String {
 /// (`owners`: name and uid), so the garbage collector removes it only once all of them are gone.
 pub fn desired(deployment: &Deployment, owners: &[(String, String)], min_attached: i32) -> Option<PodDisruptionBudget> {
     let selector = deployment.spec.as_ref()?.selector.clone();
+    let min_available = drainable(min_attached, deployment.spec.as_ref()?.replicas.unwrap_or(1));
     let deployment_name = deployment.metadata.name.as_deref()?;
     let mut owners: Vec<OwnerReference> = owners
         .iter()
@@ -52,12 +53,20 @@ pub fn desired(deployment: &Deployment, owners: &[(String, String)], min_attache
             ..Default::default()
         },
         spec: Some(k8s_openapi::api::policy::v1::PodDisruptionBudgetSpec {
-            min_available: Some(IntOrString::Int(min_attached)),
+            min_available: Some(IntOrString::Int(min_available)),
             selector: Some(selector),
             ..Default::default()
         }),
         status: None,
     })
+}
+
+/// What a budget can ask of `replicas` pods and still let a node drain evict one: minAttached
+/// has no upper bound in the spec, and a budget no eviction can satisfy blocks every drain of
+/// every node the pods run on, for good. A drain then takes the pods one at a time, each
+/// replaced before the next goes.
+pub fn drainable(min_attached: i32, replicas: i32) -> i32 {
+    min_attached.min(replicas.saturating_sub(1)).max(0)
 }
 
 /// Whether `existing` already says what `want` says (so no write is needed).
@@ -97,21 +106,35 @@ mod tests {
     #[test]
     fn one_budget_per_deployment_owned_by_every_guarding_policy() {
         let owners = [("orders".to_owned(), "u1".to_owned()), ("events".to_owned(), "u2".to_owned())];
-        let pdb = desired(&worker(), &owners, 2).unwrap();
+        let mut worker = worker();
+        worker.spec.as_mut().unwrap().replicas = Some(3);
+        let pdb = desired(&worker, &owners, 2).unwrap();
         assert_eq!(pdb.metadata.name.as_deref(), Some("worker-queueguard"));
         assert_eq!(pdb.metadata.namespace.as_deref(), Some("shop"));
         let labels = pdb.metadata.labels.as_ref().unwrap();
         assert_eq!((labels[MANAGED_BY.0].as_str(), labels[BUDGET_DEPLOYMENT].as_str()), (MANAGED_BY.1, "worker"));
         let spec = pdb.spec.as_ref().unwrap();
         assert_eq!(spec.min_available, Some(IntOrString::Int(2)));
-        assert_eq!(spec.selector, worker().spec.map(|s| s.selector));
+        assert_eq!(spec.selector, worker.spec.as_ref().map(|s| s.selector.clone()));
         let refs = pdb.metadata.owner_references.as_ref().unwrap();
         assert_eq!(refs.iter().map(|o| o.name.as_str()).collect::<Vec<_>>(), ["events", "orders"]);
         assert!(refs.iter().all(|o| o.kind == "QueuePolicy" && o.controller.is_none()), "no single controller");
         assert!(same(&pdb, &pdb));
-        let fewer = desired(&worker(), &owners[..1], 2).unwrap();
+        let fewer = desired(&worker, &owners[..1], 2).unwrap();
         assert!(!same(&pdb, &fewer));
-        assert!(!same(&pdb, &desired(&worker(), &owners, 1).unwrap()));
+        assert!(!same(&pdb, &desired(&worker, &owners, 1).unwrap()));
+    }
+
+    #[test]
+    fn a_budget_always_leaves_a_drain_one_pod_to_evict() {
+        assert_eq!(drainable(2, 5), 2);
+        assert_eq!(drainable(5, 5), 4, "minAttached of every replica would block every drain");
+        assert_eq!(drainable(1_000_000, 3), 2);
+        assert_eq!((drainable(1, 1), drainable(1, 0)), (0, 0));
+        let mut one = worker();
+        one.spec.as_mut().unwrap().replicas = Some(1);
+        let pdb = desired(&one, &[("orders".into(), "u1".into())], 1).unwrap();
+        assert_eq!(pdb.spec.unwrap().min_available, Some(IntOrString::Int(0)));
     }
 
     #[test]
