@@ -230,6 +230,11 @@ pub struct RunArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "QUEUEGUARD_NAMESPACE")]
     pub namespace: Option<String>,
+    /// Act only in these namespaces (comma-separated): QueuePolicies, QueuePatterns, workloads
+    /// and pods elsewhere are ignored, as the chart's `rbac.scope: Namespaces` grants writes
+    /// only there. Reads stay cluster-wide.
+    #[arg(long, env = "QUEUEGUARD_NAMESPACES", value_delimiter = ',', conflicts_with = "namespace")]
+    pub namespaces: Vec<String>,
     /// Connection name the broker shows for the operator's AMQP connections.
     #[arg(long, env = "QUEUEGUARD_CONNECTION_NAME", default_value = "queueguard")]
     pub connection_name: String,
@@ -270,8 +275,11 @@ pub struct RunArgs {
 impl RunArgs {
     /// The operator's configuration, or the flag mistake that keeps it from starting.
     pub fn config(&self) -> Result<controller::RunConfig, Error> {
+        let only: std::collections::BTreeSet<String> =
+            self.namespaces.iter().map(|n| n.trim().to_owned()).filter(|n| !n.is_empty()).collect();
         Ok(controller::RunConfig {
             namespace: self.namespace.clone(),
+            only_namespaces: (!only.is_empty()).then_some(only),
             connection_name: self.connection_name.clone(),
             http_addr: self.http_addr,
             lease: self.lease()?,

@@ -6,7 +6,9 @@
 use clap::Parser;
 use k8s_openapi::{
     api::{
-        admissionregistration::v1::MutatingWebhookConfiguration,
+        admissionregistration::v1::{
+            MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+        },
         apps::v1::Deployment,
         core::v1::{Service, ServiceAccount},
         policy::v1::PodDisruptionBudget,
@@ -69,11 +71,12 @@ fn render(values: Option<&str>, extra: &[&str]) -> Vec<Value> {
 
 use serde::Deserialize;
 
-const VALUE_FILES: [Option<&str>; 4] = [
+const VALUE_FILES: [Option<&str>; 5] = [
     None,
     Some("charts/queueguard/ci/all-enabled-values.yaml"),
     Some("charts/queueguard/ci/cert-manager-values.yaml"),
     Some("charts/queueguard/ci/namespace-scope-values.yaml"),
+    Some("charts/queueguard/ci/namespaces-rbac-values.yaml"),
 ];
 
 fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
@@ -140,6 +143,8 @@ fn every_manifest_is_a_well_formed_kubernetes_object() {
                 "RoleBinding" => drop(round_trip::<RoleBinding>(doc)),
                 "PodDisruptionBudget" => drop(round_trip::<PodDisruptionBudget>(doc)),
                 "MutatingWebhookConfiguration" => drop(round_trip::<MutatingWebhookConfiguration>(doc)),
+                "ValidatingAdmissionPolicy" => drop(round_trip::<ValidatingAdmissionPolicy>(doc)),
+                "ValidatingAdmissionPolicyBinding" => drop(round_trip::<ValidatingAdmissionPolicyBinding>(doc)),
                 "CustomResourceDefinition" => drop(round_trip::<CustomResourceDefinition>(doc)),
                 // Third-party kinds without k8s-openapi types: their shape is checked below.
                 "ConfigMap" => drop(round_trip::<k8s_openapi::api::core::v1::ConfigMap>(doc)),
@@ -331,6 +336,22 @@ fn rbac_grants_exactly_what_the_code_uses() {
             }
         }
     }
+    // Writes only in the listed namespaces: the ClusterRole reads, a Role in each writes.
+    let docs = render(Some("charts/queueguard/ci/namespaces-rbac-values.yaml"), &[]);
+    assert_eq!(granted(&docs), expected(&[Feature::LeaderElection, Feature::UninstallHook]));
+    for doc in of_kind(&docs, "ClusterRole") {
+        let role: ClusterRole = serde_json::from_value(doc.clone()).unwrap();
+        for rule in role.rules.unwrap_or_default() {
+            assert!(rule.verbs.iter().all(|v| ["get", "list", "watch"].contains(&v.as_str())), "{rule:?}");
+        }
+    }
+    let writers: BTreeSet<&str> = of_kind(&docs, "Role")
+        .iter()
+        .filter(|r| r["rules"].as_array().unwrap().iter().any(|rule| rule["resources"][0] == "pods/status"))
+        .map(|r| r["metadata"]["namespace"].as_str().unwrap())
+        .collect();
+    assert_eq!(writers, BTreeSet::from(["shop", "billing"]));
+    assert_eq!(run_args(&deployment(&docs)).namespaces, ["shop", "billing"], "and the operator acts only there");
     let namespaced = render(Some("charts/queueguard/ci/namespace-scope-values.yaml"), &[]);
     assert!(of_kind(&namespaced, "ClusterRole").is_empty(), "Namespace scope needs no cluster-wide rights");
     assert_eq!(run_args(&deployment(&namespaced)).namespace.as_deref(), Some("apps"));
@@ -433,4 +454,184 @@ fn helm_uninstall_first_stops_the_operator_and_removes_its_finalizers() {
     }
     let off = render(None, &["--set", "uninstall.removeFinalizers=false"]);
     assert!(of_kind(&off, "Job").is_empty());
+}
+
+/// The admission policies, evaluated by kube-cel (the CEL of the API server's
+/// ValidatingAdmissionPolicy) against the writes the operator makes and the ones it must not.
+mod admission_policy {
+    use super::*;
+    use kube::core::cel::{AdmissionRequest, VapEvaluator, VapExpression};
+    use serde_json::json;
+
+    const OPERATOR: &str = "system:serviceaccount:qg:qg-queueguard";
+
+    /// Each policy's (matchConditions, validations), by its name's suffix.
+    fn policies() -> Vec<(String, Vec<String>, Vec<String>)> {
+        let docs = render(None, &[]);
+        let found = of_kind(&docs, "ValidatingAdmissionPolicy");
+        assert_eq!(found.len(), 3, "on by default");
+        let bindings = of_kind(&docs, "ValidatingAdmissionPolicyBinding");
+        found
+            .iter()
+            .map(|p| {
+                let name = p["metadata"]["name"].as_str().unwrap().to_owned();
+                assert!(
+                    bindings.iter().any(|b| b["spec"]["policyName"] == name.as_str()
+                        && b["spec"]["validationActions"] == json!(["Deny"])),
+                    "{name} is bound to deny"
+                );
+                assert_eq!(p["spec"]["failurePolicy"], "Fail");
+                let exprs = |key: &str| -> Vec<String> {
+                    p["spec"][key]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|e| e["expression"].as_str().unwrap().to_owned())
+                        .collect()
+                };
+                (name, exprs("matchConditions"), exprs("validations"))
+            })
+            .collect()
+    }
+
+    fn policy(suffix: &str) -> (Vec<String>, Vec<String>) {
+        let (_, matches, validations) =
+            policies().into_iter().find(|(n, _, _)| n.ends_with(suffix)).unwrap_or_else(|| panic!("no {suffix}"));
+        (matches, validations)
+    }
+
+    /// Whether the policy lets `user` make this write: false when a validation fails or cannot
+    /// be evaluated (failurePolicy Fail).
+    fn admits(suffix: &str, user: &str, operation: &str, object: Value, old: Option<Value>) -> bool {
+        let (matches, validations) = policy(suffix);
+        let mut builder = VapEvaluator::builder().object(object).request(AdmissionRequest {
+            operation: operation.into(),
+            username: user.into(),
+            ..Default::default()
+        });
+        if let Some(old) = old {
+            builder = builder.old_object(old);
+        }
+        let evaluator = builder.build();
+        let run = |exprs: &[String]| {
+            evaluator.evaluate(
+                &exprs
+                    .iter()
+                    .map(|e| VapExpression { expression: e.clone(), message: None, message_expression: None })
+                    .collect::<Vec<_>>(),
+            )
+        };
+        if !run(&matches).iter().all(|r| r.passed) {
+            return true; // not the operator: the policy does not apply
+        }
+        run(&validations.iter().map(|e| as_kube_cel_reads(e)).collect::<Vec<_>>()).iter().all(|r| r.passed)
+    }
+
+    /// kube-cel, schema-less, escapes every object key as the API server escapes schema
+    /// property names (`.` as `__dot__`, ...); the API server leaves map keys such as labels as
+    /// they are. The label keys the expressions name are escaped here the same way, so they are
+    /// looked up as kube-cel stored them.
+    fn as_kube_cel_reads(expression: &str) -> String {
+        let escape = |key: &str| {
+            key.replace('_', "__").replace('.', "__dot__").replace('-', "__dash__").replace('/', "__slash__")
+        };
+        ["app.kubernetes.io/managed-by", "queueguard.io/deployment"]
+            .iter()
+            .fold(expression.to_owned(), |e, key| e.replace(&format!("'{key}'"), &format!("'{}'", escape(key))))
+    }
+
+    fn worker() -> Value {
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "worker", "namespace": "shop", "labels": {"app": "worker"},
+                         "annotations": {"deployment.kubernetes.io/revision": "3"}, "resourceVersion": "41"},
+            "spec": {"replicas": 2, "revisionHistoryLimit": 10, "progressDeadlineSeconds": 600,
+                     "selector": {"matchLabels": {"app": "worker"}},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+                     "template": {"metadata": {"labels": {"app": "worker"}},
+                                  "spec": {"containers": [{"name": "w", "image": "worker:1"}]}}},
+        })
+    }
+
+    #[test]
+    fn the_operator_may_change_a_deployments_strategy_and_nothing_else() {
+        let old = worker();
+        let mut safe = old.clone();
+        safe["spec"]["strategy"] =
+            json!({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}});
+        safe["metadata"]["resourceVersion"] = json!("42");
+        assert!(admits("strategy-only", OPERATOR, "UPDATE", safe.clone(), Some(old.clone())));
+        let mut image = safe.clone();
+        image["spec"]["template"]["spec"]["containers"][0]["image"] = json!("evil:1");
+        assert!(!admits("strategy-only", OPERATOR, "UPDATE", image.clone(), Some(old.clone())), "an image change");
+        let mut replicas = safe.clone();
+        replicas["spec"]["replicas"] = json!(0);
+        assert!(!admits("strategy-only", OPERATOR, "UPDATE", replicas, Some(old.clone())));
+        let mut paused = safe.clone();
+        paused["spec"]["paused"] = json!(true);
+        assert!(!admits("strategy-only", OPERATOR, "UPDATE", paused, Some(old.clone())), "a field set that was not");
+        let mut labels = safe.clone();
+        labels["metadata"]["labels"]["app"] = json!("other");
+        assert!(!admits("strategy-only", OPERATOR, "UPDATE", labels, Some(old.clone())));
+        // Anyone else is not this policy's business.
+        assert!(admits("strategy-only", "kubernetes-admin", "UPDATE", image, Some(old)));
+        // A Deployment without the optional fields.
+        let bare = json!({"metadata": {"name": "w"}, "spec": {"replicas": 1, "selector": {}, "template": {}}});
+        let mut bare_safe = bare.clone();
+        bare_safe["spec"]["strategy"] = json!({"type": "RollingUpdate"});
+        assert!(admits("strategy-only", OPERATOR, "UPDATE", bare_safe, Some(bare)));
+    }
+
+    #[test]
+    fn the_operator_may_touch_only_the_budgets_it_labels() {
+        let ours = json!({"metadata": {"name": "worker-queueguard", "labels": {
+            "app.kubernetes.io/managed-by": "queueguard", "queueguard.io/deployment": "worker"}},
+            "spec": {"minAvailable": 1}});
+        let theirs = json!({"metadata": {"name": "team-pdb", "labels": {"team": "shop"}}, "spec": {"minAvailable": 1}});
+        let bare = json!({"metadata": {"name": "bare"}, "spec": {}});
+        assert!(admits("own-budgets-only", OPERATOR, "CREATE", ours.clone(), None));
+        assert!(!admits("own-budgets-only", OPERATOR, "CREATE", theirs.clone(), None));
+        assert!(admits("own-budgets-only", OPERATOR, "UPDATE", ours.clone(), Some(ours.clone())));
+        assert!(!admits("own-budgets-only", OPERATOR, "UPDATE", ours.clone(), Some(theirs.clone())), "taking one over");
+        assert!(!admits("own-budgets-only", OPERATOR, "UPDATE", theirs.clone(), Some(ours.clone())), "unlabelling one");
+        assert!(admits("own-budgets-only", OPERATOR, "DELETE", Value::Null, Some(ours)));
+        assert!(!admits("own-budgets-only", OPERATOR, "DELETE", Value::Null, Some(theirs.clone())));
+        assert!(!admits("own-budgets-only", OPERATOR, "DELETE", Value::Null, Some(bare)));
+        assert!(admits("own-budgets-only", "kubernetes-admin", "DELETE", Value::Null, Some(theirs)));
+    }
+
+    fn pod(gate: Option<&str>) -> Value {
+        let mut conditions = vec![json!({"type": "Ready", "status": "False"})];
+        if let Some(status) = gate {
+            conditions
+                .push(json!({"type": "queueguard.io/consumer-attached", "status": status, "reason": "NoConsumer"}));
+        }
+        json!({"metadata": {"name": "worker-abc-1", "labels": {"app": "worker"}},
+               "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}],
+                          "startTime": "2026-12-06T00:00:00Z", "conditions": conditions}})
+    }
+
+    #[test]
+    fn the_operator_may_write_only_its_own_pod_condition() {
+        let mut open = pod(Some("True"));
+        open["status"]["conditions"][1]["reason"] = json!("ConsumerAttached");
+        assert!(admits("gate-condition-only", OPERATOR, "UPDATE", open.clone(), Some(pod(Some("False")))));
+        assert!(admits("gate-condition-only", OPERATOR, "UPDATE", pod(Some("False")), Some(pod(None))), "first write");
+        let mut moved = open.clone();
+        moved["status"]["podIP"] = json!("10.9.9.9");
+        assert!(!admits("gate-condition-only", OPERATOR, "UPDATE", moved, Some(pod(Some("False")))), "the pod's IP");
+        let mut ready = open.clone();
+        ready["status"]["conditions"][0]["status"] = json!("True");
+        assert!(
+            !admits("gate-condition-only", OPERATOR, "UPDATE", ready.clone(), Some(pod(Some("False")))),
+            "Ready itself"
+        );
+        assert!(admits("gate-condition-only", "system:node:n1", "UPDATE", ready, Some(pod(Some("False")))));
+    }
+
+    #[test]
+    fn it_can_be_turned_off() {
+        let docs = render(None, &["--set", "admissionPolicy.enabled=false"]);
+        assert!(of_kind(&docs, "ValidatingAdmissionPolicy").is_empty());
+    }
 }

@@ -25,7 +25,7 @@ use crate::{
     secret,
     status::{Check, Outcome, Reason, next_status},
 };
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::{
     api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget},
     jiff::Timestamp,
@@ -233,6 +233,8 @@ async fn sweep_brokers(brokers: std::sync::Weak<BrokerPool>, trackers: std::sync
 pub struct RunConfig {
     /// Watch only this namespace (default: all namespaces).
     pub namespace: Option<String>,
+    /// Of what is watched, act only on objects in these namespaces (None: all).
+    pub only_namespaces: Option<std::collections::BTreeSet<String>>,
     /// Connection name the broker shows for the operator's AMQP connections.
     pub connection_name: String,
     /// The probes and `/metrics`.
@@ -245,7 +247,7 @@ pub struct RunConfig {
 /// Runs the operator until SIGTERM or Ctrl-C: the HTTP endpoints and the webhook on every
 /// replica, the controller on the leader only.
 pub async fn run(config: RunConfig) -> Result<(), Error> {
-    let RunConfig { namespace, connection_name, http_addr, lease, webhook } = config;
+    let RunConfig { namespace, only_namespaces, connection_name, http_addr, lease, webhook } = config;
     let client = crate::kube_api::client().await?;
     let ctx = Arc::new(Context::new(client.clone(), &connection_name));
     let health = Arc::new(Health::new(lease.is_some()));
@@ -274,7 +276,8 @@ pub async fn run(config: RunConfig) -> Result<(), Error> {
     health.set_leading(true);
     ctx.metrics.leading(true);
     let writer = ctx.gate.clone();
-    let controller = run_controller(namespace.as_deref(), ctx, health);
+    let scope = Scope { namespace: namespace.clone(), only: only_namespaces.map(Arc::new) };
+    let controller = run_controller(scope, ctx, health);
     let stalled = || writer.writer_unanswered().filter(|d| *d >= gate::WRITER_STALL);
     let outcome = match &elector {
         Some((e, since)) => tokio::select! {
@@ -325,9 +328,49 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<Health>) {
+/// What the controller watches (one namespace, or all) and acts on (listed namespaces, or all).
+struct Scope {
+    namespace: Option<String>,
+    only: Option<Arc<std::collections::BTreeSet<String>>>,
+}
+
+impl Scope {
+    /// Keeps a watch event unless it is about an object outside the namespaces acted on.
+    fn keeps<K: Resource>(&self, event: &watcher::Event<K>) -> bool {
+        let Some(only) = &self.only else { return true };
+        match event {
+            watcher::Event::Apply(o) | watcher::Event::InitApply(o) | watcher::Event::Delete(o) => {
+                o.meta().namespace.as_ref().is_some_and(|ns| only.contains(ns))
+            }
+            watcher::Event::Init | watcher::Event::InitDone => true,
+        }
+    }
+
+    /// The watcher of kind `K` in this scope, objects outside it left out.
+    fn watch<K>(
+        self: &Arc<Self>,
+        client: &Client,
+    ) -> impl futures::Stream<Item = watcher::Result<watcher::Event<K>>> + use<K>
+    where
+        K: Resource<Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + std::fmt::Debug
+            + serde::de::DeserializeOwned
+            + Send
+            + 'static,
+        <K as Resource>::DynamicType: Default,
+    {
+        let scope = self.clone();
+        watcher(scoped::<K>(client, self.namespace.as_deref()), watcher::Config::default().any_semantic())
+            .default_backoff()
+            .try_filter(move |e| std::future::ready(scope.keeps(e)))
+    }
+}
+
+async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     let client = ctx.client.clone();
-    let ns = namespace;
+    let scope = Arc::new(scope);
+    let ns = scope.namespace.as_deref();
     let consumer_changes = ctx.take_trigger_receiver().expect("taken once");
     tracing::info!(namespace = ns.unwrap_or("*"), "starting controller");
     // The gate's index is fed by the watches themselves: no LISTs per reconcile.
@@ -336,16 +379,12 @@ async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<
         gate.synced().await;
         health.set_synced();
     });
-    let config = || watcher::Config::default().any_semantic();
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(watcher(scoped::<Deployment>(&client, ns), config()).default_backoff(), move |e| g.on(e)));
+    tokio::spawn(gate::feed(scope.watch::<Deployment>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(watcher(scoped::<Pod>(&client, ns), config()).default_backoff(), move |e| g.on(e)));
+    tokio::spawn(gate::feed(scope.watch::<Pod>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(
-        watcher(scoped::<PodDisruptionBudget>(&client, ns), config()).default_backoff(),
-        move |e| g.on(e),
-    ));
+    tokio::spawn(gate::feed(scope.watch::<PodDisruptionBudget>(&client), move |e| g.on(e)));
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
     // the generation (deletion too); finalizer edits do not, so they are watched as well. The
@@ -354,8 +393,8 @@ async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<
     let (pattern_store, pattern_writer) = reflector::store();
     ctx.know_others(Others { policies: policy_store.clone(), patterns: pattern_store.clone() });
     let g = ctx.gate.clone();
-    let trigger = watcher(scoped::<QueuePolicy>(&client, ns), config())
-        .default_backoff()
+    let trigger = scope
+        .watch::<QueuePolicy>(&client)
         .inspect(move |e| {
             if let Ok(e) = e {
                 g.on(e);
@@ -378,8 +417,8 @@ async fn run_controller(namespace: Option<&str>, ctx: Arc<Context>, health: Arc<
             }
         });
     // Status-only updates of patterns must not wake them either.
-    let pattern_trigger = watcher(scoped::<QueuePattern>(&client, ns), config())
-        .default_backoff()
+    let pattern_trigger = scope
+        .watch::<QueuePattern>(&client)
         .reflect(pattern_writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());

@@ -156,6 +156,12 @@ render runs them.
 {{- if and .Values.webhook.enabled (eq (int .Values.webhook.port) 8080) }}
 {{- fail "webhook.port must differ from 8080, the operator's HTTP port (/metrics, /healthz, /readyz)" }}
 {{- end }}
+{{- if and (eq .Values.rbac.scope "Namespaces") (include "queueguard.namespaced" .) }}
+{{- fail "rbac.scope=Namespaces is for watch.scope=Cluster: with watch.scope=Namespace every right is already in that one namespace" }}
+{{- end }}
+{{- if and (eq .Values.rbac.scope "Namespaces") (empty .Values.rbac.namespaces) }}
+{{- fail "rbac.scope=Namespaces needs rbac.namespaces: the namespaces the operator may write in" }}
+{{- end }}
 {{- if and .Values.webhook.enabled (include "queueguard.namespaced" .) (eq (include "queueguard.watchNamespace" .) .Release.Namespace) }}
 {{- fail (printf "webhook.enabled with watch.scope=Namespace needs watch.namespace to differ from the release namespace %q: the webhook never mutates pods in its own namespace, so it would do nothing" .Release.Namespace) }}
 {{- end }}
