@@ -5,6 +5,7 @@
 #   start    make the root if missing (about 2 minutes, then cached), start the node, wait for it
 #   stop     stop the node and unmount /proc, /dev, /sys from the root (the root stays, cached)
 #   env      shell exports that point the broker tests at it
+#   ctl ...  rabbitmqctl of that node
 #
 # AMQP 127.0.0.1:5673, management 127.0.0.1:15673, distribution 25673, node rabbit4@localhost,
 # guest/guest, plugins rabbitmq_management and rabbitmq_event_exchange.
@@ -98,9 +99,14 @@ stop() {
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
+  ctl)
+    shift
+    in_root rabbitmqctl "$@"
+    ;;
   env)
+    echo "export QUEUEGUARD_TEST_RABBITMQCTL='$(cd "$(dirname "$0")" && pwd)/rabbitmq4.sh ctl'"
     echo "export QUEUEGUARD_TEST_BROKER=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2F"
     echo "export QUEUEGUARD_TEST_MANAGEMENT=http://127.0.0.1:$MGMT_PORT"
     ;;
-  *) echo "usage: $0 start | stop | env" >&2; exit 2 ;;
+  *) echo "usage: $0 start | stop | env | ctl ARGS..." >&2; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: unit tests, the real-broker tests and the kube glue against a mocked API,
-# then the tests against a 3-node RabbitMQ cluster started beside the machine's own broker.
+# The whole test suite: unit tests, the real-broker tests and the kube glue against a mocked API
+# (RabbitMQ 3.10, the machine's own), the broker tests again against RabbitMQ 4.0, then the tests
+# against a 3-node RabbitMQ cluster started beside the machine's own broker.
 # Tests that need a real Kubernetes cluster run only when KUBECONFIG is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,15 @@ run_tests() {
 }
 
 run_tests "$@"
+# The broker tests again against RabbitMQ 4.0 (Debian 13's package, in a cached root beside the
+# machine's 3.10): declarations, consumers, findings, patterns and rollouts.
+scripts/rabbitmq4.sh start
+trap 'scripts/rabbitmq4.sh stop >/dev/null 2>&1 || true' EXIT
+(
+  eval "$(scripts/rabbitmq4.sh env)"
+  run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout
+)
+scripts/rabbitmq4.sh stop
 # Alone and one at a time, because they kill and restart the cluster's nodes.
 scripts/rabbitmq-cluster.sh start
 eval "$(scripts/rabbitmq-cluster.sh env)"

@@ -569,3 +569,34 @@ async fn a_churn_of_connections_and_policies_leaves_the_tracker_as_it_was() {
     assert_eq!(t.footprint(), empty, "every policy gone: the tracker holds what it held before");
     mgmt_delete(&format!("vhosts/{}", enc(&vhost))).await;
 }
+
+/// A client killed mid-consume (its TCP connection simply gone: no basic.cancel, no close) is
+/// detached at once. RabbitMQ 3.13 and later send `consumer.deleted` only for an explicit
+/// cancel, so on those brokers this rests on `channel.closed` and `connection.closed`; the suite
+/// runs it against 3.10 and 4.0.
+#[tokio::test]
+async fn a_killed_clients_consumer_leaves_without_a_cancel() {
+    let t = tracker(&broker_uri());
+    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
+    assert!(eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await);
+    let name = unique("killed");
+    declare(&name).await;
+    let key = QueueKey::new("/", &name);
+    let _interest = t.watch(key.clone());
+    let mut rx = t.subscribe();
+    let proxy = Proxy::start(&broker_addr()).await;
+    let conn = Connection::connect(&proxy.uri(), ConnectionProperties::default()).await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let _consumer =
+        ch.basic_consume(name.as_str().into(), "doomed".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .unwrap();
+    assert!(matches!(next_change_on(&mut rx, &key, Duration::from_secs(3)).await, Some(Change::Attached { .. })));
+    let killed = std::time::Instant::now();
+    proxy.cut();
+    let left = next_change_on(&mut rx, &key, Duration::from_secs(3)).await;
+    assert!(matches!(&left, Some(Change::Detached { consumer }) if consumer.tag == "doomed"), "{left:?}");
+    eprintln!("detached {:?} after the client's connection was cut", killed.elapsed());
+    assert!(t.consumers_on(&key).is_empty());
+    delete_queues(&[&name]).await;
+}

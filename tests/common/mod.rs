@@ -30,6 +30,14 @@ pub fn broker_uri() -> String {
     std::env::var("QUEUEGUARD_TEST_BROKER").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2F".into())
 }
 
+/// `rabbitmqctl` of the broker under test: the machine's own, or the command
+/// QUEUEGUARD_TEST_RABBITMQCTL names (`scripts/rabbitmq4.sh ctl` for RabbitMQ 4).
+pub fn rabbitmqctl(args: &[&str]) -> std::process::Output {
+    let command = std::env::var("QUEUEGUARD_TEST_RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
+    let mut words = command.split_whitespace();
+    std::process::Command::new(words.next().expect("a command")).args(words).args(args).output().unwrap()
+}
+
 pub fn management_base() -> String {
     std::env::var("QUEUEGUARD_TEST_MANAGEMENT").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
 }
