@@ -286,6 +286,13 @@ async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check,
             decision.desired.name,
             settings::POLICY_PRIORITY
         );
+        let mut msg = msg;
+        if plan.queue_type == QueueType::Quorum && !winner.definition.contains_key("dead-letter-exchange") {
+            msg.push_str(&format!(
+                ". Quorum queue '{}' is left without a dead-letter exchange: on RabbitMQ 4.0 and later its delivery limit (20 unless that policy sets delivery-limit) drops a message redelivered that often instead of dead-lettering it",
+                plan.queue
+            ));
+        }
         return (Check::failed(Reason::PolicyShadowed, msg), name);
     }
     let mut msg = format!("policy '{}' applies {}", decision.desired.name, settings_list(plan));
@@ -390,6 +397,13 @@ fn settings_list(plan: &QueuePlan) -> String {
     }
     if let Some(n) = s.max_length {
         parts.push(format!("max length {n}{}", s.overflow.map(|o| format!(" ({})", o.as_str())).unwrap_or_default()));
+    }
+    if plan.queue_type == QueueType::Quorum {
+        parts.push(match s.delivery_limit {
+            Some(-1) => "no delivery limit (a message requeued over and over stays for ever)".to_owned(),
+            Some(n) => format!("delivery limit {n}"),
+            None => "the broker's delivery limit (20 on RabbitMQ 4.0 and later)".to_owned(),
+        });
     }
     parts.join(", ")
 }

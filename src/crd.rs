@@ -135,6 +135,12 @@ pub struct QueueSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub max_length: Option<i64>,
+    /// Quorum queues only: deliveries of one message before it is dead-lettered
+    /// (x-delivery-limit). RabbitMQ 4.0 and later apply 20 when unset; -1 lifts the limit
+    /// (4.0+), and a poison message is then redelivered for ever.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = -1))]
+    pub delivery_limit: Option<i64>,
     /// What happens when maxLength is reached (x-overflow). Default: the broker's drop-head, which
     /// dead-letters the oldest messages.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -36,6 +36,8 @@ pub struct QueueSettings {
     pub message_ttl: Option<Duration>,
     pub max_length: Option<i64>,
     pub overflow: Option<Overflow>,
+    /// Quorum queues: x-delivery-limit (None: the broker's default, 20 on RabbitMQ 4.0+).
+    pub delivery_limit: Option<i64>,
     pub dead_letter_exchange: String,
     pub dead_letter_routing_key: String,
 }
@@ -113,6 +115,16 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
     if q.max_length.is_some_and(|n| n < 0) {
         errors.add("spec.queue.maxLength", "must not be negative");
     }
+    if let Some(limit) = q.delivery_limit {
+        if q.queue_type != QueueType::Quorum {
+            errors.add(
+                "spec.queue.deliveryLimit",
+                "applies to quorum queues only (classic queues have no delivery limit)",
+            );
+        } else if limit == 0 || limit < -1 {
+            errors.add("spec.queue.deliveryLimit", "must be at least 1, or -1 for no limit");
+        }
+    }
     if q.overflow.is_some() && q.max_length.is_none() {
         errors.add("spec.queue.overflow", "only applies together with maxLength");
     }
@@ -182,6 +194,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
             expires: expires.unwrap_or_default(),
             message_ttl,
             max_length: q.max_length,
+            delivery_limit: q.delivery_limit,
             overflow: q.overflow,
             dead_letter_exchange,
             dead_letter_routing_key,
@@ -374,6 +387,15 @@ mod tests {
         assert!(plan(&p, Limits::default()).unwrap_err()[0].message.contains("at most 168h"));
         p.spec.gate.attach_timeout = "168h".into();
         assert!(plan(&p, Limits::default()).is_ok());
+    }
+
+    #[test]
+    fn delivery_limit_is_for_quorum_queues() {
+        let p = plan(&policy_yaml("{type: quorum, deliveryLimit: 5}"), Limits::default()).unwrap();
+        assert_eq!(p.settings.delivery_limit, Some(5));
+        assert!(errors_of("{deliveryLimit: 5}")[0].contains("quorum queues only"));
+        assert!(errors_of("{type: quorum, deliveryLimit: 0}")[0].contains("at least 1, or -1"));
+        assert!(plan(&policy_yaml("{type: quorum, deliveryLimit: -1}"), Limits::default()).is_ok());
     }
 
     #[test]

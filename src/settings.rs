@@ -52,8 +52,11 @@ const DLRK: Key = Key { argument: "x-dead-letter-routing-key", policy: "dead-let
 const TTL: Key = Key { argument: "x-message-ttl", policy: "message-ttl" };
 const MAX_LEN: Key = Key { argument: "x-max-length", policy: "max-length" };
 const OVERFLOW: Key = Key { argument: "x-overflow", policy: "overflow" };
+const DELIVERY_LIMIT: Key = Key { argument: "x-delivery-limit", policy: "delivery-limit" };
 
 /// Every key the operator manages, as policy keys (so displaced policies cannot override them).
+/// `delivery-limit` is not among them: a displaced policy's limit is carried forward unless the
+/// QueuePolicy sets its own (dropping it would fall back to the broker's default of 20).
 const MANAGED_POLICY_KEYS: [&str; 6] =
     [EXPIRES.policy, DLX.policy, DLRK.policy, TTL.policy, MAX_LEN.policy, OVERFLOW.policy];
 
@@ -73,6 +76,9 @@ fn setting_pairs(plan: &QueuePlan) -> Vec<(Key, ArgValue)> {
     }
     if let Some(o) = s.overflow {
         pairs.push((OVERFLOW, ArgValue::Str(o.as_str().into())));
+    }
+    if let Some(n) = s.delivery_limit {
+        pairs.push((DELIVERY_LIMIT, ArgValue::Long(n)));
     }
     pairs
 }
@@ -326,6 +332,17 @@ mod tests {
         assert_eq!(d.desired.definition.get("queue-mode"), Some(&json!("lazy")));
         assert_eq!(d.desired.definition.get("dead-letter-exchange"), Some(&json!("orders.dlx")));
         assert!(!d.desired.definition.contains_key("ha-mode"));
+    }
+
+    #[test]
+    fn a_delivery_limit_goes_where_the_settings_go_and_a_displaced_one_is_kept_unless_set() {
+        let args = queue_arguments(&plan_of("{type: quorum, settings: Arguments, deliveryLimit: 5}"));
+        assert_eq!(args.get("x-delivery-limit"), Some(&ArgValue::Long(5)));
+        let theirs = [policy("retries", "^orders$", 1, json!({"delivery-limit": 50}))];
+        let unset = policy_decision(&plan_of("{type: quorum}"), &theirs);
+        assert_eq!(unset.desired.definition.get("delivery-limit"), Some(&json!(50)), "carried forward");
+        let set = policy_decision(&plan_of("{type: quorum, deliveryLimit: 3}"), &theirs);
+        assert_eq!(set.desired.definition.get("delivery-limit"), Some(&json!(3)), "the QueuePolicy's own");
     }
 
     #[test]

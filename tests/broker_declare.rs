@@ -436,6 +436,38 @@ async fn a_policy_write_the_broker_cannot_place_is_an_error() {
     assert!(mgmt_get(&format!("policies/%2F/{}", enc(&policy.name))).await.is_none(), "nothing landed elsewhere");
 }
 
+/// spec.queue.deliveryLimit reaches a quorum queue through the operator's policy: a poison
+/// message requeued that often is dead-lettered, not redelivered for ever (and status says
+/// which limit is in effect).
+#[tokio::test]
+async fn a_quorum_queues_delivery_limit_dead_letters_a_poison_message() {
+    let name = unique("delivery-limit");
+    let plan = plan_of(&policy(&name, "{type: quorum, deliveryLimit: 2}"));
+    let pool = BrokerPool::new(unique("conn"));
+    let outcome = converge::converge(&plan, &broker(&pool, &plan), &[], Mode::Declare).await;
+    assert!(outcome.is_ready(), "{outcome:#?}");
+    assert!(outcome.settings.message.contains("delivery limit 2"), "{}", outcome.settings.message);
+    let applied = mgmt_get(&format!("policies/%2F/{}", enc(&plan.policy_name))).await.unwrap();
+    assert_eq!(applied["definition"]["delivery-limit"], 2);
+    publish(&name, ["poison".to_string()]).await;
+    let (_conn, ch) = app().await;
+    let requeued = std::sync::atomic::AtomicU32::new(0);
+    // The policy reaches the queue within the broker's policy propagation; then the third
+    // delivery is refused and the message goes to the dead-letter queue.
+    let dead_lettered = eventually(Duration::from_secs(15), || async {
+        if let Ok(Some(got)) = ch.basic_get(name.as_str().into(), BasicGetOptions::default()).await {
+            requeued.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            got.delivery.nack(lapin::options::BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+        }
+        counts(&format!("{name}.dlq")).await == Some((1, 0))
+    });
+    assert!(dead_lettered.await, "the poison message never reached the dead-letter queue");
+    let requeued = requeued.into_inner();
+    eprintln!("dead-lettered after {requeued} requeues");
+    assert!(requeued <= 4, "not redelivered for ever: {requeued}");
+    remove_all(&plan).await;
+}
+
 #[tokio::test]
 async fn every_policy_on_a_broker_shares_one_connection() {
     let pool = BrokerPool::new(unique("shared-conn"));

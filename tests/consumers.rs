@@ -587,10 +587,10 @@ async fn a_killed_clients_consumer_leaves_without_a_cancel() {
     let proxy = Proxy::start(&broker_addr()).await;
     let conn = Connection::connect(&proxy.uri(), ConnectionProperties::default()).await.unwrap();
     let ch = conn.create_channel().await.unwrap();
-    let _consumer =
-        ch.basic_consume(name.as_str().into(), "doomed".into(), BasicConsumeOptions::default(), FieldTable::default())
-            .await
-            .unwrap();
+    let _consumer = ch
+        .basic_consume(name.as_str().into(), "doomed".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
     assert!(matches!(next_change_on(&mut rx, &key, Duration::from_secs(3)).await, Some(Change::Attached { .. })));
     let killed = std::time::Instant::now();
     proxy.cut();
