@@ -63,7 +63,21 @@ impl fmt::Display for Inequivalence {
             self.argument,
             show(&self.current),
             show(&self.received)
-        )
+        )?;
+        // What RabbitMQ 4.3 refuses at declaration: the queue cannot be declared again as it is.
+        let refused = match (self.argument.as_str(), self.current.as_deref()) {
+            ("x-queue-mode", Some(_)) => Some("x-queue-mode"),
+            ("x-queue-version", Some("1")) => Some("x-queue-version 1"),
+            ("durable", Some("false")) => Some("transient (non-durable) queues that are not exclusive"),
+            _ => None,
+        };
+        if let Some(what) = refused {
+            write!(
+                f,
+                "; RabbitMQ 4.3 refuses {what} at declaration, so an application that declares this queue as it is fails after a broker upgrade"
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -109,6 +123,22 @@ mod tests {
         let i = r.inequivalence().unwrap();
         assert_eq!((i.received.as_deref(), i.current.as_deref()), (Some("10"), None));
         assert!(i.to_string().contains("unset on the broker"));
+    }
+
+    #[test]
+    fn what_rabbitmq_4_3_refuses_is_said() {
+        let lazy = refusal(
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-mode' for queue 'q' in vhost '/': received none but current is the value 'lazy' of type 'longstr'",
+        );
+        assert!(lazy.inequivalence().unwrap().to_string().ends_with("fails after a broker upgrade"));
+        let v2 = refusal(
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-version' for queue 'q' in vhost '/': received none but current is the value '2' of type 'signedint'",
+        );
+        assert!(!v2.inequivalence().unwrap().to_string().contains("4.3"));
+        let transient = refusal(
+            "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is 'false'",
+        );
+        assert!(transient.inequivalence().unwrap().to_string().contains("refuses transient (non-durable) queues"));
     }
 
     #[test]

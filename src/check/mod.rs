@@ -103,8 +103,22 @@ pub struct Manifests {
     /// The broker nodes each Secret among the objects names in its `addresses` key, by
     /// (namespace, name). Nothing else of a Secret is read.
     pub broker_nodes: std::collections::BTreeMap<(Option<String>, String), Vec<String>>,
+    /// Queues declared by the RabbitMQ Messaging Topology Operator (`rabbitmq.com` `Queue`).
+    pub topology_queues: Vec<TopologyQueueDoc>,
     /// Kubernetes objects seen, of any kind (List items counted one by one).
     pub objects: usize,
+}
+
+/// What QG014 reads of a Messaging Topology Operator `Queue`: how it is declared.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopologyQueueDoc {
+    pub id: ObjectId,
+    /// The queue's name on the broker (spec.name).
+    pub name: String,
+    pub durable: bool,
+    pub exclusive: bool,
+    /// The x- arguments it declares, as given.
+    pub arguments: std::collections::BTreeMap<String, serde_yaml_ng::Value>,
 }
 
 /// How bad a finding is. Both make `queueguard check` exit 1.

@@ -7,7 +7,9 @@
 //! the kind of every object; the second deserialises each object of a known kind straight from
 //! the YAML parser into its type, so a type error carries its line and column too.
 
-use super::{DeploymentDoc, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, WebhookDoc};
+use super::{
+    DeploymentDoc, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, TopologyQueueDoc, WebhookDoc,
+};
 use crate::{
     crd::{API_VERSION, QueuePolicy},
     pattern::crd::QueuePattern,
@@ -104,6 +106,8 @@ enum Shape {
     Webhook,
     Namespace,
     Secret,
+    /// The RabbitMQ Messaging Topology Operator's `Queue`.
+    TopologyQueue,
     List(Vec<Shape>),
     /// Not a Kubernetes object; the message says why.
     NotAnObject(&'static str),
@@ -143,6 +147,7 @@ fn shape_of(value: &Value) -> Shape {
         "MutatingWebhookConfiguration" if api_version.starts_with("admissionregistration.k8s.io/") => Shape::Webhook,
         "Namespace" if api_version == "v1" => Shape::Namespace,
         "Secret" if api_version == "v1" => Shape::Secret,
+        "Queue" if api_version.starts_with("rabbitmq.com/") => Shape::TopologyQueue,
         k if k == "List" || k.ends_with("List") => match value.get("items") {
             Some(Value::Sequence(items)) => Shape::List(items.iter().map(shape_of).collect()),
             Some(Value::Null) | None => Shape::List(vec![]),
@@ -161,7 +166,30 @@ enum Object {
     Webhook(Vec<WebhookDoc>),
     Namespace { name: String, labels: BTreeMap<String, String> },
     BrokerNodes { namespace: Option<String>, name: String, nodes: Vec<String> },
+    TopologyQueue(Box<TopologyQueue>),
     Other,
+}
+
+/// What QG014 reads of a Messaging Topology Operator `Queue` (its spec's `durable` and
+/// `exclusive` default to false there).
+#[derive(Deserialize)]
+struct TopologyQueue {
+    #[serde(default)]
+    metadata: ObjectMeta,
+    #[serde(default)]
+    spec: TopologyQueueSpec,
+}
+
+#[derive(Deserialize, Default)]
+struct TopologyQueueSpec {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    durable: bool,
+    #[serde(default)]
+    exclusive: bool,
+    #[serde(default)]
+    arguments: BTreeMap<String, Value>,
 }
 
 /// Reads one file's text into `into`, after what earlier files gave. `file` names it in
@@ -215,6 +243,17 @@ pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadErro
             }
             Object::BrokerNodes { namespace, name, nodes } => {
                 into.broker_nodes.insert((namespace, name), nodes);
+            }
+            Object::TopologyQueue(q) => {
+                let id = id("Queue", &q.metadata);
+                let name = q.spec.name.clone().unwrap_or_else(|| id.name.clone());
+                into.topology_queues.push(TopologyQueueDoc {
+                    id,
+                    name,
+                    durable: q.spec.durable,
+                    exclusive: q.spec.exclusive,
+                    arguments: q.spec.arguments,
+                });
             }
             Object::Other => {}
         }
@@ -298,6 +337,7 @@ impl<'de> DeserializeSeed<'de> for Seed<'_> {
                     }
                 }
             }
+            Shape::TopologyQueue => Object::TopologyQueue(Box::new(TopologyQueue::deserialize(d)?)),
             Shape::List(items) => return d.deserialize_map(ListVisitor { items, out: self.out }),
         };
         self.out.push(object);

@@ -46,10 +46,11 @@ pub enum Rule {
     DuplicateQueue,
     UnanchoredPattern,
     ClassicQueueOnCluster,
+    RefusedByNewerRabbitmq,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 13] = [
+    pub const ALL: [Rule; 14] = [
         Rule::InvalidPolicy,
         Rule::UnsafeRolloutStrategy,
         Rule::MissingReadinessGate,
@@ -63,6 +64,7 @@ impl Rule {
         Rule::DuplicateQueue,
         Rule::UnanchoredPattern,
         Rule::ClassicQueueOnCluster,
+        Rule::RefusedByNewerRabbitmq,
     ];
 
     pub fn id(self) -> &'static str {
@@ -80,6 +82,7 @@ impl Rule {
             Self::DuplicateQueue => "QG011",
             Self::UnanchoredPattern => "QG012",
             Self::ClassicQueueOnCluster => "QG013",
+            Self::RefusedByNewerRabbitmq => "QG014",
         }
     }
 
@@ -127,6 +130,9 @@ impl Rule {
             Self::ClassicQueueOnCluster => {
                 "a classic queue on a broker whose Secret names several nodes: the queue lives on one node and is gone while that node is down"
             }
+            Self::RefusedByNewerRabbitmq => {
+                "a Messaging Topology Operator Queue that RabbitMQ 4.3 refuses to declare: transient (durable false) and not exclusive, or with x-queue-mode, or x-queue-version 1"
+            }
         }
     }
 
@@ -145,6 +151,7 @@ impl Rule {
             Self::DuplicateQueue => duplicate_queue(f),
             Self::UnanchoredPattern => unanchored_pattern(f),
             Self::ClassicQueueOnCluster => classic_queue_on_cluster(f),
+            Self::RefusedByNewerRabbitmq => refused_by_rabbitmq_4_3(f),
         }
     }
 }
@@ -946,6 +953,41 @@ fn classic_queue_on_cluster(f: &Facts) -> Vec<Finding> {
     out
 }
 
+/// QG014: what RabbitMQ 4.3 refuses at declaration (the 4.0 to 4.2 brokers only deprecate it):
+/// transient non-exclusive queues, `x-queue-mode`, `x-queue-version: 1`. Seen in the Messaging
+/// Topology Operator's `Queue` manifests, whose `durable` defaults to false.
+fn refused_by_rabbitmq_4_3(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for q in &f.manifests.topology_queues {
+        let mut why = Vec::new();
+        if !q.durable && !q.exclusive {
+            why.push("it is transient and not exclusive (spec.durable is false, the Topology Operator's default): set durable: true, or make it exclusive".to_owned());
+        }
+        if q.arguments.contains_key("x-queue-mode") {
+            why.push("it declares x-queue-mode, which RabbitMQ 3.12 stopped using (classic queues keep messages on disk as lazy ones did): remove the argument".to_owned());
+        }
+        let version_one =
+            q.arguments.get("x-queue-version").is_some_and(|v| v.as_i64() == Some(1) || v.as_str() == Some("1"));
+        if version_one {
+            why.push("it declares x-queue-version: 1, the classic queue storage RabbitMQ 4.0 replaced: remove the argument (version 2 is the only one)".to_owned());
+        }
+        if why.is_empty() {
+            continue;
+        }
+        out.push(finding(
+            Rule::RefusedByNewerRabbitmq,
+            Severity::Warning,
+            &q.id,
+            format!(
+                "queue '{}': RabbitMQ 4.3 refuses to declare it, and the Topology Operator then cannot create it again after a broker upgrade or on a new cluster: {}.",
+                q.name,
+                why.join("; ")
+            ),
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1179,6 +1221,35 @@ mod tests {
             "{}",
             f.message
         );
+    }
+
+    #[test]
+    fn qg014_topology_queues_rabbitmq_4_3_refuses() {
+        let queue = |name: &str, spec: &str| {
+            format!(
+                "apiVersion: rabbitmq.com/v1beta1\nkind: Queue\nmetadata: {{name: {name}, namespace: shop}}\nspec: {spec}\n---\n"
+            )
+        };
+        let text = queue("transient", "{name: replies, rabbitmqClusterReference: {name: rmq}}")
+            + &queue("lazy", "{name: lazy, durable: true, arguments: {x-queue-mode: lazy}}")
+            + &queue("v1", "{name: v1, durable: true, arguments: {x-queue-version: 1}}")
+            + &queue("fine", "{name: fine, durable: true, arguments: {x-queue-version: 2, x-max-length: 5}}")
+            + &queue("exclusive", "{name: mine, exclusive: true}");
+        let f = found(&text);
+        assert_eq!(
+            f,
+            vec![
+                ("QG014", "Queue shop/transient".into()),
+                ("QG014", "Queue shop/lazy".into()),
+                ("QG014", "Queue shop/v1".into())
+            ]
+        );
+        let transient = only(&queue("t", "{name: replies}"), Rule::RefusedByNewerRabbitmq);
+        assert!(
+            transient.message.starts_with("queue 'replies': RabbitMQ 4.3 refuses")
+                && transient.message.contains("durable is false")
+        );
+        assert_eq!(transient.severity, Severity::Warning);
     }
 
     #[test]
