@@ -17,7 +17,10 @@ use lapin::{
 };
 use queueguard::{
     broker::{BrokerCredentials, BrokerPool, uri::BrokerUri},
-    consumers::{Change, ConsumerTracker, QueueKey, TrackerPool, Tracking, tracker::STATS_LAG},
+    consumers::{
+        Change, ConsumerTracker, QueueKey, TrackerPool, Tracking,
+        tracker::{Interest, STATS_LAG},
+    },
     controller::{Context, gate::QueueWatch},
     converge::{self, Mode},
     gate::index::ObjectKey,
@@ -80,14 +83,16 @@ impl Cluster {
         pool.tracker(&self.uri(), None).unwrap()
     }
 
-    /// A tracker whose events flow, and a new quorum queue.
-    async fn tracked_queue(&self, prefix: &str) -> (TrackerPool, Arc<ConsumerTracker>, String) {
+    /// A tracker whose events flow, and a new quorum queue it keeps track of (while the
+    /// returned Interest lives).
+    async fn tracked_queue(&self, prefix: &str) -> (TrackerPool, Arc<ConsumerTracker>, String, Interest) {
         let pool = TrackerPool::new(&unique("cluster"));
         let t = self.tracker(&pool);
         assert!(tracking_events(&t, Duration::from_secs(15)).await, "{}", t.tracking("/"));
         let queue = unique(prefix);
         self.quorum_queue(&queue).await;
-        (pool, t, queue)
+        let interest = t.watch(QueueKey::new("/", &queue));
+        (pool, t, queue, interest)
     }
 
     /// A connection to node `i` only, as an application pinned to it.
@@ -157,7 +162,7 @@ async fn consumers_attached_on_every_node_are_seen_through_one_subscription() {
     let Some(cluster) = Cluster::from_env("consumers_attached_on_every_node_are_seen_through_one_subscription") else {
         return;
     };
-    let (_pool, t, queue) = cluster.tracked_queue("every-node").await;
+    let (_pool, t, queue, _interest) = cluster.tracked_queue("every-node").await;
     let key = QueueKey::new("/", &queue);
     let mut rx = t.subscribe();
 
@@ -191,7 +196,7 @@ async fn a_killed_node_takes_its_consumers_with_it_within_two_seconds() {
     let Some(cluster) = Cluster::from_env("a_killed_node_takes_its_consumers_with_it_within_two_seconds") else {
         return;
     };
-    let (_pool, t, queue) = cluster.tracked_queue("node-crash").await;
+    let (_pool, t, queue, _interest) = cluster.tracked_queue("node-crash").await;
     let key = QueueKey::new("/", &queue);
     let mut rx = t.subscribe();
     let (_doomed, ch_c) = cluster.app(2, "pod-on-qc").await;
@@ -317,6 +322,7 @@ async fn killing_the_node_the_operator_uses_moves_it_to_the_next_and_it_keeps_re
 
     // Events from the new subscription reach the tracker.
     let key = QueueKey::new("/", &second.queue);
+    let _interest = t.watch(key.clone());
     let mut rx = t.subscribe();
     let (_app, ch) = cluster.app(2, "pod-after-failover").await;
     let _late = ch

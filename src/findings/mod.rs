@@ -127,7 +127,7 @@ pub fn evaluate(memory: &Memory, now: &Sample, settings: &Settings) -> (Memory, 
         Finding::UnboundedPrefetch,
         (!unbounded.is_empty()).then(|| {
             format!(
-                "consumer {unbounded} has prefetch 0 (unlimited): the broker pushes it the whole queue, which can exhaust its memory; set basic.qos prefetch_count (see status.prefetch for a suggestion)"
+                "consumer {unbounded} has prefetch 0 (unlimited): the broker pushes it the whole queue, which can exhaust its memory; set basic.qos prefetch_count per consumer (see status.prefetch for a suggestion). A channel-wide (global) basic.qos also shows as 0 here: global QoS is deprecated, and a channel error on RabbitMQ 4.3"
             )
         }),
     );
