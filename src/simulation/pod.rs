@@ -303,15 +303,21 @@ async fn attach_and_work(
             _ = &mut *stopped => break,
         }
     }
-    // Graceful shutdown: stop receiving, finish what was already delivered, then leave.
+    // Graceful shutdown: stop receiving, finish what was already delivered, then leave. The pod
+    // was told to stop, so a broker that goes away meanwhile ends it all the same (its stop
+    // signal is spent: waiting on it again would panic); what it held unacked is redelivered.
     for i in 0..queues.len() {
-        bounded(ch.basic_cancel(format!("{name}.{i}").into(), BasicCancelOptions::default())).await?;
+        if bounded(ch.basic_cancel(format!("{name}.{i}").into(), BasicCancelOptions::default())).await.is_err() {
+            return Ok(Ended::Stopped);
+        }
     }
     while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await {
         if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
             tally.record(seq);
         }
-        bounded(d.ack(BasicAckOptions::default())).await?;
+        if bounded(d.ack(BasicAckOptions::default())).await.is_err() {
+            return Ok(Ended::Stopped);
+        }
     }
     let _ = bounded(ch.close(200, "bye".into())).await;
     let _ = bounded(conn.close(200, "bye".into())).await;
