@@ -39,20 +39,31 @@ async fn named_app(connection_name: &str) -> (Connection, lapin::Channel) {
     (conn, ch)
 }
 
-#[tokio::test]
-async fn events_report_attach_and_detach_with_peer_connection_prefetch_and_ack_mode() {
+/// A tracker whose events flow, a new durable queue it keeps track of, and its change stream.
+struct Tracked {
+    t: Arc<ConsumerTracker>,
+    name: String,
+    key: QueueKey,
+    rx: tokio::sync::broadcast::Receiver<Change>,
+    _interest: queueguard::consumers::tracker::Interest,
+}
+
+async fn tracked(prefix: &str) -> Tracked {
     let t = tracker(&broker_uri());
     assert!(t.wait_synced("/", Duration::from_secs(10)).await);
-    assert!(
-        eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await,
-        "{:?}",
-        t.tracking("/")
-    );
-    let name = unique("tracked");
+    let events = eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events });
+    assert!(events.await, "{:?}", t.tracking("/"));
+    let name = unique(prefix);
     declare(&name).await;
     let key = QueueKey::new("/", &name);
     let _interest = t.watch(key.clone());
-    let mut rx = t.subscribe();
+    let rx = t.subscribe();
+    Tracked { t, name, key, rx, _interest }
+}
+
+#[tokio::test]
+async fn events_report_attach_and_detach_with_peer_connection_prefetch_and_ack_mode() {
+    let Tracked { t, name, key, mut rx, _interest } = tracked("tracked").await;
 
     let pod = unique("worker-pod");
     let (conn, ch) = named_app(&pod).await;
@@ -127,14 +138,7 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
 
 #[tokio::test]
 async fn a_watched_queue_deleted_behind_our_back_is_noticed() {
-    let t = tracker(&broker_uri());
-    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
-    assert!(eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await);
-    let name = unique("deleted");
-    declare(&name).await;
-    let key = QueueKey::new("/", &name);
-    let _interest = t.watch(key.clone());
-    let mut rx = t.subscribe();
+    let Tracked { t, name, key, mut rx, _interest } = tracked("deleted").await;
     let (_c, ch) = app().await;
     ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
     assert!(matches!(next_change_on(&mut rx, &key, Duration::from_secs(2)).await, Some(Change::QueueDeleted { .. })));
@@ -588,14 +592,7 @@ async fn a_churn_of_connections_and_policies_leaves_the_tracker_as_it_was() {
 /// runs it against 3.10 and 4.0.
 #[tokio::test]
 async fn a_killed_clients_consumer_leaves_without_a_cancel() {
-    let t = tracker(&broker_uri());
-    assert!(t.wait_synced("/", Duration::from_secs(10)).await);
-    assert!(eventually(Duration::from_secs(5), || async { t.tracking("/") == Tracking::Events }).await);
-    let name = unique("killed");
-    declare(&name).await;
-    let key = QueueKey::new("/", &name);
-    let _interest = t.watch(key.clone());
-    let mut rx = t.subscribe();
+    let Tracked { t, name, key, mut rx, _interest } = tracked("killed").await;
     let proxy = Proxy::start(&broker_addr()).await;
     let conn = Connection::connect(&proxy.uri(), ConnectionProperties::default()).await.unwrap();
     let ch = conn.create_channel().await.unwrap();

@@ -33,20 +33,6 @@ fn two_unguarded_pods(ctx: &Context) {
     watched(ctx, &[], &[worker_deployment(json!({"type": "RollingUpdate"}))], &[pod(1), pod(2)], &[]);
 }
 
-async fn next(api: &mut ApiServer, within: Duration) -> Option<Call> {
-    let (req, reply) = tokio::time::timeout(within, api.0.next_request()).await.ok()??;
-    let (parts, body) = req.into_parts();
-    let bytes = body.collect_bytes().await.unwrap();
-    Some(Call {
-        method: parts.method.to_string(),
-        path: parts.uri.path().to_owned(),
-        query: parts.uri.query().unwrap_or_default().to_owned(),
-        content_type: String::new(),
-        body: if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap() },
-        reply,
-    })
-}
-
 fn status_patch_of(call: &Call) -> Option<String> {
     let pod = call.path.strip_prefix("/api/v1/namespaces/test/pods/")?.strip_suffix("/status")?;
     (call.method == "PATCH").then(|| pod.to_owned())
@@ -58,11 +44,11 @@ async fn a_status_patch_that_is_never_answered_holds_the_next_pod_only_until_its
     let ctx = Arc::new(Context::new(client, "stalled"));
     two_unguarded_pods(&ctx);
 
-    let first = next(&mut api, Duration::from_secs(5)).await.expect("the first pod's patch");
+    let first = api.next(Duration::from_secs(5)).await.expect("the first pod's patch");
     let stuck = status_patch_of(&first).expect("a pod status patch");
     let sent = Instant::now();
     // `first` is kept and never answered. The other pod's patch comes once it is cut off.
-    let second = next(&mut api, Duration::from_secs(5)).await.expect("the writer moves on to the next pod");
+    let second = api.next(Duration::from_secs(5)).await.expect("the writer moves on to the next pod");
     let waited = sent.elapsed();
     let other = status_patch_of(&second).expect("a pod status patch");
     assert_ne!(other, stuck, "the next pod, not a retry");
@@ -77,7 +63,7 @@ async fn a_status_patch_that_is_never_answered_holds_the_next_pod_only_until_its
     let mut retried = false;
     let deadline = Instant::now() + Duration::from_secs(5);
     while !retried && Instant::now() < deadline {
-        let Some(call) = next(&mut api, Duration::from_secs(5)).await else { break };
+        let Some(call) = api.next(Duration::from_secs(5)).await else { break };
         match status_patch_of(&call) {
             Some(p) => {
                 assert_eq!(p, stuck, "only the unanswered pod is written again");
@@ -113,7 +99,7 @@ async fn a_leader_whose_writer_gets_no_answer_gives_up_the_lease_that_still_rene
     // The Lease answers every renewal.
     let renewals = tokio::spawn(async move {
         let mut renewed = 0;
-        while let Some(call) = next(&mut lease_api, Duration::from_secs(10)).await {
+        while let Some(call) = lease_api.next(Duration::from_secs(10)).await {
             let lease = json!({
                 "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": "queueguard", "namespace": "ops", "resourceVersion": "7"},
@@ -135,7 +121,7 @@ async fn a_leader_whose_writer_gets_no_answer_gives_up_the_lease_that_still_rene
     // Every pod status patch is taken and never answered.
     let stalled = tokio::spawn(async move {
         let mut held = Vec::new();
-        while let Some(call) = next(&mut pods_api, Duration::from_secs(10)).await {
+        while let Some(call) = pods_api.next(Duration::from_secs(10)).await {
             assert!(status_patch_of(&call).is_some(), "only pod status patches: {}", call.path);
             held.push(call);
         }

@@ -160,12 +160,6 @@ pub struct Interest {
     queue: QueueKey,
 }
 
-impl Interest {
-    pub fn queue(&self) -> &QueueKey {
-        &self.queue
-    }
-}
-
 impl Drop for Interest {
     fn drop(&mut self) {
         if let Some(t) = self.tracker.upgrade() {

@@ -41,21 +41,27 @@ impl Call {
 }
 
 impl ApiServer {
-    pub async fn expect(&mut self, method: &str, path: &str) -> Call {
-        let (req, reply) = tokio::time::timeout(Duration::from_secs(10), self.0.next_request())
-            .await
-            .unwrap_or_else(|_| panic!("expected {method} {path}, but no request came"))
-            .expect("client still connected");
+    /// The next request, whatever it is, if one comes within `within` (None also once the client
+    /// is gone).
+    pub async fn next(&mut self, within: Duration) -> Option<Call> {
+        let (req, reply) = tokio::time::timeout(within, self.0.next_request()).await.ok()??;
         let (parts, body) = req.into_parts();
         let bytes = body.collect_bytes().await.unwrap();
-        let call = Call {
+        Some(Call {
             method: parts.method.to_string(),
             path: parts.uri.path().to_owned(),
             query: parts.uri.query().unwrap_or_default().to_owned(),
             content_type: parts.headers.get("content-type").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default(),
             body: if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap() },
             reply,
-        };
+        })
+    }
+
+    pub async fn expect(&mut self, method: &str, path: &str) -> Call {
+        let call = self
+            .next(Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("expected {method} {path}, but no request came"));
         assert_eq!((call.method.as_str(), call.path.as_str()), (method, path), "unexpected request");
         let (group, resource, verb) = rbac_terms(&call.method, &call.path, &call.query);
         assert!(
