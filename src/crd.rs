@@ -254,15 +254,23 @@ pub struct Binding {
 /// The consumers of the queue.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("has(self.deployment) != has(self.selector)").message("set exactly one of consumers.deployment and consumers.selector"))]
+#[x_kube(validation = Rule::new("[has(self.deployment), has(self.workload), has(self.selector)].filter(x, x).size() == 1").message("set exactly one of consumers.deployment, consumers.workload and consumers.selector"))]
+#[x_kube(validation = Rule::new("!has(self.kinds) || has(self.selector)").message("consumers.kinds goes with consumers.selector"))]
 pub struct ConsumersSpec {
-    /// Name of the consumer Deployment in this namespace.
+    /// Name of the consumer Deployment in this namespace (shorthand for workload: {kind:
+    /// Deployment, name: ...}).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub deployment: Option<String>,
-    /// Label selector of the consumer Deployment(s), instead of a name.
+    /// The consumer workload in this namespace: a Deployment, a StatefulSet or an Argo Rollout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<WorkloadRef>,
+    /// Label selector of the consumer workloads, instead of a name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<LabelSelector>,
+    /// The kinds the selector picks from (default: all three).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kinds: Option<Vec<WorkloadKind>>,
     /// Consumers that must stay attached during a rollout.
     #[serde(default = "default_min_attached")]
     #[schemars(range(min = 1))]
@@ -277,6 +285,41 @@ pub struct ConsumersSpec {
     /// where the broker sees NAT addresses).
     #[serde(default)]
     pub match_by: MatchBy,
+}
+
+/// A workload by kind and name, in the policy's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkloadRef {
+    pub kind: WorkloadKind,
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// The kinds of workload whose rollouts the gate holds.
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    JsonSchema,
+    strum::IntoStaticStr,
+    strum::Display,
+    strum::VariantArray,
+)]
+pub enum WorkloadKind {
+    /// apps/v1 Deployment
+    Deployment,
+    /// apps/v1 StatefulSet
+    StatefulSet,
+    /// argoproj.io/v1alpha1 Rollout (Argo Rollouts)
+    Rollout,
 }
 
 fn default_min_attached() -> i32 {
@@ -582,15 +625,17 @@ pub struct WaitingPod {
     pub waiting_for: Vec<String>,
 }
 
-/// A PodDisruptionBudget over a guarded Deployment's pods.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+/// A PodDisruptionBudget over a guarded workload's pods.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DisruptionBudgetObservation {
-    /// The Deployment whose pods it covers.
-    pub deployment: String,
+    /// The kind of the workload whose pods it covers.
+    pub kind: WorkloadKind,
+    /// The workload's name.
+    pub workload: String,
     /// The budget's name.
     pub name: String,
-    /// Managed: the operator's (one per Deployment, minAvailable the strictest minAttached of
+    /// Managed: the operator's (one per workload, minAvailable the strictest minAttached of
     /// the policies guarding it). Foreign: someone else's budget already selects these pods, so
     /// the operator created none (the eviction API refuses pods covered by two budgets).
     pub owner: BudgetOwner,

@@ -29,6 +29,7 @@ pub mod kube_api;
 pub mod leader;
 pub mod local;
 pub mod metrics;
+pub mod names;
 pub mod overview;
 pub mod pass;
 pub mod pattern;
@@ -38,9 +39,11 @@ pub mod secret;
 pub mod settings;
 pub mod simulation;
 pub mod status;
+pub mod sync;
 pub mod tls;
 pub mod uninstall;
 pub mod webhook;
+pub mod workload;
 
 #[cfg(test)]
 mod testing;

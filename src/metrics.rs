@@ -1,6 +1,7 @@
 //! Prometheus metrics: what `/metrics` serves. Reconciles, queue depths, gate state and gate
 //! waits per policy; broker connection state per endpoint; leadership.
 
+use crate::sync::lock;
 use crate::{crd::RolloutPhase, status::Outcome};
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
@@ -254,7 +255,7 @@ impl Metrics {
             .inc();
         if let Some(kind) = error {
             self.errors.get_or_create(&ErrorLabels { namespace, policy: name, kind }).inc();
-            self.error_kinds.lock().unwrap_or_else(|p| p.into_inner()).entry(policy.clone()).or_default().insert(kind);
+            lock(&self.error_kinds).entry(policy.clone()).or_default().insert(kind);
         }
         self.duration.get_or_create(policy).observe(took.as_secs_f64());
     }
@@ -265,7 +266,7 @@ impl Metrics {
         for result in ["ok", "error"] {
             self.reconciles.remove(&ResultLabels { namespace: namespace.clone(), policy: name.clone(), result });
         }
-        let kinds = self.error_kinds.lock().unwrap_or_else(|p| p.into_inner()).remove(policy).unwrap_or_default();
+        let kinds = lock(&self.error_kinds).remove(policy).unwrap_or_default();
         for kind in kinds {
             self.errors.remove(&ErrorLabels { namespace: namespace.clone(), policy: name.clone(), kind });
         }
@@ -340,7 +341,7 @@ impl Metrics {
             };
             self.findings.remove(&labels);
         }
-        let queues = self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(policy).unwrap_or_default();
+        let queues = lock(&self.queues).remove(policy).unwrap_or_default();
         for labels in &queues {
             for family in [&self.messages_ready, &self.messages_unacked, &self.consumers, &self.dead_letter_ready] {
                 family.remove(labels);
@@ -429,7 +430,7 @@ impl Metrics {
     fn queue_labels(&self, policy: &PolicyLabels, queue: &str) -> QueueLabels {
         let labels =
             QueueLabels { namespace: policy.namespace.clone(), policy: policy.policy.clone(), queue: queue.to_owned() };
-        self.queues.lock().unwrap_or_else(|p| p.into_inner()).entry(policy.clone()).or_default().insert(labels.clone());
+        lock(&self.queues).entry(policy.clone()).or_default().insert(labels.clone());
         labels
     }
 }

@@ -6,9 +6,11 @@
 
 use crate::{
     broker::management::addressable,
-    crd::{Binding, ConsumersSpec, DeletionPolicy, Overflow, QueuePolicy, QueueType, SettingsMode},
+    crd::{
+        Binding, ConsumersSpec, DeletionPolicy, FailurePolicy, GateMode, MatchBy, Overflow, QueuePolicy, QueueType,
+        SettingsMode,
+    },
     duration::{self, DurationText},
-    gate::GatePlan,
 };
 use std::{fmt, time::Duration};
 
@@ -40,6 +42,20 @@ pub struct QueueSettings {
     pub delivery_limit: Option<i64>,
     pub dead_letter_exchange: String,
     pub dead_letter_routing_key: String,
+}
+
+/// The gate settings of one policy, resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatePlan {
+    pub mode: GateMode,
+    pub failure_policy: FailurePolicy,
+    pub attach_timeout: Duration,
+    pub manage_strategy: bool,
+    pub pod_disruption_budget: bool,
+    pub min_attached: i32,
+    pub min_attached_for: Duration,
+    pub match_by: MatchBy,
+    pub consumers: ConsumersSpec,
 }
 
 /// Everything the reconciler needs, resolved and valid.
@@ -238,18 +254,21 @@ fn check_name(errors: &mut Errors, field: &str, value: &str, what: &str) {
 }
 
 fn check_consumers(errors: &mut Errors, c: &ConsumersSpec) {
-    if c.deployment.is_some() == c.selector.is_some() {
-        errors.add("spec.consumers", "set exactly one of deployment and selector");
+    if [c.deployment.is_some(), c.workload.is_some(), c.selector.is_some()].iter().filter(|set| **set).count() != 1 {
+        errors.add("spec.consumers", "set exactly one of deployment, workload and selector");
+    }
+    if c.kinds.is_some() && c.selector.is_none() {
+        errors.add("spec.consumers.kinds", "goes with consumers.selector");
     }
     if let Some(selector) = &c.selector {
         use kube::core::Selector;
         match Selector::try_from(selector.clone()) {
             Err(e) => errors.add("spec.consumers.selector", format!("not a valid label selector: {e}")),
-            // An empty selector selects everything; guarding every Deployment of the namespace
-            // is never what was meant, and guarding none would pass silently.
+            // An empty selector selects everything; guarding every workload of the namespace is
+            // never what was meant, and guarding none would pass silently.
             Ok(s) if s.selects_all() => errors.add(
                 "spec.consumers.selector",
-                "is empty: it would select every Deployment of the namespace; give the consumer Deployment's labels",
+                "is empty: it would select every workload of the namespace; give the consumer workload's labels",
             ),
             Ok(_) => {}
         }
@@ -366,7 +385,7 @@ mod tests {
         };
         let empty = with_selector("{}");
         assert!(
-            empty[0].field == "spec.consumers.selector" && empty[0].message.contains("every Deployment"),
+            empty[0].field == "spec.consumers.selector" && empty[0].message.contains("every workload"),
             "{empty:?}"
         );
         let bad = with_selector("{matchExpressions: [{key: app, operator: Sideways, values: [w]}]}");

@@ -41,9 +41,15 @@ pub const RULES: &[Rule] = &[
     // QueuePatterns: the same, without owned objects.
     rule("queueguard.io", "queuepatterns", &["get", "list", "watch", "patch"]),
     rule("queueguard.io", "queuepatterns/status", &["patch"]),
-    // The consumer Deployments: watched, patched to a safe strategy; the webhook reads one's
-    // labels when a policy picks Deployments by label.
+    // The consumer workloads: watched; Deployments and Argo Rollouts patched to a safe strategy
+    // (StatefulSets never are); the webhook reads one's labels when a policy picks workloads by
+    // label.
     rule("apps", "deployments", &["get", "list", "watch", "patch"]),
+    rule("apps", "statefulsets", &["get", "list", "watch"]),
+    rule("argoproj.io", "rollouts", &["get", "list", "watch", "patch"]),
+    // ReplicaSets: their owner only (metadata), which leads a pod to its Deployment or Rollout;
+    // the webhook reads a new pod's.
+    rule("apps", "replicasets", &["get", "list", "watch"]),
     // Consumer pods: watched; their gate condition written through pods/status.
     rule("", "pods", &["list", "watch"]),
     rule("", "pods/status", &["patch"]),

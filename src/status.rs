@@ -66,7 +66,7 @@ pub enum Reason {
     RolloutGuarded,
     UnsafeRolloutStrategy,
     GateNotInstalled,
-    DeploymentNotFound,
+    WorkloadNotFound,
 }
 
 impl Reason {

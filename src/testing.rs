@@ -2,7 +2,12 @@
 
 use crate::{
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy, QueuePolicy},
-    gate::{GatePlan, pods::PodFacts},
+    gate::{
+        index::{GateIndex, ObjectKey, ReplicaSetFacts},
+        pods::PodFacts,
+    },
+    plan::GatePlan,
+    workload::{Kind, WorkloadKey, owner::PodOwner},
 };
 use std::time::Duration;
 
@@ -28,7 +33,9 @@ pub fn gate_plan(min_attached: i32) -> GatePlan {
         match_by: MatchBy::PodIp,
         consumers: ConsumersSpec {
             deployment: Some("worker".into()),
+            workload: None,
             selector: None,
+            kinds: None,
             min_attached,
             min_attached_seconds: 5,
             match_by: MatchBy::PodIp,
@@ -36,14 +43,29 @@ pub fn gate_plan(min_attached: i32) -> GatePlan {
     }
 }
 
-/// A running pod `shop/<name>` of Deployment `worker` with the readiness gate and no condition
-/// yet, on `ip` since `since_ms`, its containers ready since then.
+/// The ReplicaSet of Deployment `shop/worker` whose pods [`pod_facts`] makes.
+pub const WORKER_REPLICA_SET: &str = "worker-7d9c5b";
+
+/// Syncs the workload feeds of `index` with Deployment `worker`'s ReplicaSet and no
+/// StatefulSets or Rollouts (the Deployments are the test's own).
+pub fn sync_workload_feeds(index: &mut GateIndex) {
+    index.replace_workloads(Kind::StatefulSet, vec![]);
+    index.kind_unavailable(Kind::Rollout);
+    index.replace_replica_sets(vec![ReplicaSetFacts {
+        key: ObjectKey::new("shop", WORKER_REPLICA_SET),
+        owner: Some(WorkloadKey::new(Kind::Deployment, "shop", "worker")),
+    }]);
+}
+
+/// A running pod `shop/<name>` of Deployment `worker` (through its ReplicaSet) with the
+/// readiness gate and no condition yet, on `ip` since `since_ms`, its containers ready since
+/// then.
 pub fn pod_facts(name: &str, ip: &str, since_ms: i64) -> PodFacts {
     PodFacts {
         namespace: "shop".into(),
         name: name.into(),
         uid: format!("uid-{name}"),
-        deployment: Some("worker".into()),
+        owner: Some(PodOwner::ReplicaSet(WORKER_REPLICA_SET.into())),
         ips: vec![ip.into()],
         ip_since_ms: Some(since_ms),
         has_gate: true,

@@ -11,7 +11,7 @@
 use crate::{
     controller::FINALIZER,
     crd::{DeletionPolicy, QueuePolicy},
-    gate::GATE_CONDITION,
+    names::GATE_CONDITION,
     pattern::crd::QueuePattern,
 };
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};

@@ -535,7 +535,7 @@ mod admission_policy {
         let escape = |key: &str| {
             key.replace('_', "__").replace('.', "__dot__").replace('-', "__dash__").replace('/', "__slash__")
         };
-        ["app.kubernetes.io/managed-by", "queueguard.io/deployment"]
+        ["app.kubernetes.io/managed-by", "queueguard.io/deployment", "queueguard.io/statefulset", "queueguard.io/rollout"]
             .iter()
             .fold(expression.to_owned(), |e, key| e.replace(&format!("'{key}'"), &format!("'{}'", escape(key))))
     }
@@ -583,6 +583,28 @@ mod admission_policy {
     }
 
     #[test]
+    fn the_operator_may_change_a_rollouts_strategy_and_nothing_else() {
+        let old = json!({
+            "apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+            "metadata": {"name": "worker", "namespace": "shop", "labels": {"app": "worker"}},
+            "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "worker"}},
+                     "strategy": {"canary": {"maxSurge": "25%", "maxUnavailable": "100%"}},
+                     "template": {"metadata": {"labels": {"app": "worker"}},
+                                  "spec": {"containers": [{"name": "w", "image": "worker:1"}]}}},
+        });
+        let mut safe = old.clone();
+        safe["spec"]["strategy"]["canary"]["maxUnavailable"] = json!(0);
+        assert!(admits("rollout-strategy-only", OPERATOR, "UPDATE", safe.clone(), Some(old.clone())));
+        let mut image = safe.clone();
+        image["spec"]["template"]["spec"]["containers"][0]["image"] = json!("evil:1");
+        assert!(!admits("rollout-strategy-only", OPERATOR, "UPDATE", image.clone(), Some(old.clone())));
+        let mut restart = safe.clone();
+        restart["spec"]["restartAt"] = json!("2026-12-06T00:00:00Z");
+        assert!(!admits("rollout-strategy-only", OPERATOR, "UPDATE", restart, Some(old.clone())), "a restart");
+        assert!(admits("rollout-strategy-only", "kubernetes-admin", "UPDATE", image, Some(old)));
+    }
+
+    #[test]
     fn the_operator_may_touch_only_the_budgets_it_labels() {
         let ours = json!({"metadata": {"name": "worker-queueguard", "labels": {
             "app.kubernetes.io/managed-by": "queueguard", "queueguard.io/deployment": "worker"}},
@@ -598,6 +620,10 @@ mod admission_policy {
         assert!(!admits("own-budgets-only", OPERATOR, "DELETE", Value::Null, Some(theirs.clone())));
         assert!(!admits("own-budgets-only", OPERATOR, "DELETE", Value::Null, Some(bare)));
         assert!(admits("own-budgets-only", "kubernetes-admin", "DELETE", Value::Null, Some(theirs)));
+        let stateful = json!({"metadata": {"name": "shard-statefulset-queueguard", "labels": {
+            "app.kubernetes.io/managed-by": "queueguard", "queueguard.io/statefulset": "shard"}},
+            "spec": {"minAvailable": 1}});
+        assert!(admits("own-budgets-only", OPERATOR, "CREATE", stateful, None), "a StatefulSet's budget");
     }
 
     fn pod(gate: Option<&str>) -> Value {

@@ -4,6 +4,7 @@
 //! backoff between attempts so a down broker is not hammered by every reconcile. Channels are
 //! pooled: a channel the broker closed (a refused declare closes it) is simply not returned.
 
+use crate::sync::lock;
 use super::{
     refusal::Refusal,
     uri::{BrokerUri, Node},
@@ -157,7 +158,7 @@ impl AmqpEndpoint {
     /// its channels (lapin rejects the pending operations in between), so a channel's own status
     /// can still read open just after its connection died: the generation tells.
     fn take_idle(&self, generation: u64) -> Option<Channel> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = lock(&self.idle);
         // Channels of an earlier connection (returned after it was let go) leave the pool.
         idle.retain(|(g, channel)| *g == generation && channel.status().connected());
         idle.pop().map(|(_, channel)| channel)
@@ -257,7 +258,7 @@ impl AmqpEndpoint {
                 let _ = conn.close(200, "lost".into()).await;
             });
         }
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).retain(|(g, _)| *g != generation);
+        lock(&self.idle).retain(|(g, _)| *g != generation);
     }
 
     fn unreachable(&self, detail: String, retry_in: Duration) -> AmqpError {
@@ -333,7 +334,7 @@ impl Drop for PooledChannel<'_> {
         if !channel.status().connected() {
             return;
         }
-        let mut idle = self.endpoint.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut idle = lock(&self.endpoint.idle);
         if idle.len() < IDLE_CHANNELS {
             idle.push((self.generation, channel));
         } else {

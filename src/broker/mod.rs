@@ -6,6 +6,7 @@ pub mod management;
 pub mod refusal;
 pub mod uri;
 
+use crate::sync::lock;
 use amqp::AmqpEndpoint;
 use management::{ManagementClient, ManagementError};
 use std::{
@@ -198,9 +199,6 @@ impl BrokerPool {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[cfg(test)]
 mod tests {

@@ -17,7 +17,7 @@ pub mod read;
 pub mod rules;
 
 use crate::{crd::QueuePolicy, pattern::crd::QueuePattern};
-use k8s_openapi::api::apps::v1::Deployment;
+use crate::workload::Workload;
 use std::fmt;
 
 pub use read::{ReadError, read};
@@ -75,11 +75,11 @@ pub enum PatternState {
     Unserved { api_version: String },
 }
 
-/// An `apps/v1` Deployment as read.
+/// A workload as read: an `apps/v1` Deployment or StatefulSet, or an Argo Rollout.
 #[derive(Debug, Clone)]
-pub struct DeploymentDoc {
+pub struct WorkloadDoc {
     pub id: ObjectId,
-    pub deployment: Deployment,
+    pub workload: Workload,
 }
 
 /// A webhook of a MutatingWebhookConfiguration: its name, and which namespaces it is called for.
@@ -94,7 +94,7 @@ pub struct WebhookDoc {
 pub struct Manifests {
     pub policies: Vec<PolicyDoc>,
     pub patterns: Vec<PatternDoc>,
-    pub deployments: Vec<DeploymentDoc>,
+    pub workloads: Vec<WorkloadDoc>,
     /// The webhooks of every MutatingWebhookConfiguration (`pods.queueguard.io` is the
     /// operator's own, which adds the readiness gate to guarded pods).
     pub webhooks: Vec<WebhookDoc>,

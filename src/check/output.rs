@@ -56,7 +56,7 @@ pub fn summary(manifests: &Manifests, findings: &[Finding]) -> String {
         count(manifests.objects, "object"),
         manifests.policies.len(),
         if manifests.policies.len() == 1 { "y" } else { "ies" },
-        count(manifests.deployments.len(), "Deployment")
+        count(manifests.workloads.len(), "workload")
     );
     if findings.is_empty() {
         return format!("no findings in {checked}");
@@ -132,10 +132,10 @@ mod tests {
     #[test]
     fn summary_counts() {
         let m = Manifests { objects: 3, ..Default::default() };
-        assert_eq!(summary(&m, &[]), "no findings in 3 objects (0 QueuePolicies, 0 Deployments)");
+        assert_eq!(summary(&m, &[]), "no findings in 3 objects (0 QueuePolicies, 0 workloads)");
         assert_eq!(
             summary(&m, &sample()),
-            "2 findings (1 error, 1 warning) in 3 objects (0 QueuePolicies, 0 Deployments)"
+            "2 findings (1 error, 1 warning) in 3 objects (0 QueuePolicies, 0 workloads)"
         );
     }
 
@@ -146,6 +146,6 @@ mod tests {
             state: crate::check::PatternState::Unserved { api_version: "queueguard.io/v1".into() },
         };
         let m = Manifests { objects: 2, patterns: vec![pattern.clone(), pattern], ..Default::default() };
-        assert_eq!(summary(&m, &[]), "no findings in 2 objects (0 QueuePolicies, 2 QueuePatterns, 0 Deployments)");
+        assert_eq!(summary(&m, &[]), "no findings in 2 objects (0 QueuePolicies, 2 QueuePatterns, 0 workloads)");
     }
 }

@@ -8,13 +8,17 @@
 //! the YAML parser into its type, so a type error carries its line and column too.
 
 use super::{
-    DeploymentDoc, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, TopologyQueueDoc, WebhookDoc,
+    Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, TopologyQueueDoc, WebhookDoc, WorkloadDoc,
 };
 use crate::{
     crd::{API_VERSION, QueuePolicy},
     pattern::crd::QueuePattern,
 };
-use k8s_openapi::{api::apps::v1::Deployment, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+use crate::workload::{Kind, Workload, rollout::Rollout};
+use k8s_openapi::{
+    api::apps::v1::{Deployment, StatefulSet},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 use serde::{
     Deserialize, Deserializer,
     de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor},
@@ -102,7 +106,7 @@ enum Shape {
         name: String,
         namespace: Option<String>,
     },
-    Deployment,
+    Workload(Kind),
     Webhook,
     Namespace,
     Secret,
@@ -143,7 +147,9 @@ fn shape_of(value: &Value) -> Shape {
         }
     }
     match kind.as_str() {
-        "Deployment" if api_version == "apps/v1" => Shape::Deployment,
+        "Deployment" if api_version == "apps/v1" => Shape::Workload(Kind::Deployment),
+        "StatefulSet" if api_version == "apps/v1" => Shape::Workload(Kind::StatefulSet),
+        "Rollout" if api_version.starts_with("argoproj.io/") => Shape::Workload(Kind::Rollout),
         "MutatingWebhookConfiguration" if api_version.starts_with("admissionregistration.k8s.io/") => Shape::Webhook,
         "Namespace" if api_version == "v1" => Shape::Namespace,
         "Secret" if api_version == "v1" => Shape::Secret,
@@ -162,7 +168,7 @@ enum Object {
     Policy { policy: Box<QueuePolicy>, unknown_fields: Vec<String> },
     Pattern { pattern: Box<QueuePattern>, unknown_fields: Vec<String> },
     Unserved { kind: Custom, api_version: String, name: String, namespace: Option<String> },
-    Deployment(Box<Deployment>),
+    Workload(Box<Workload>),
     Webhook(Vec<WebhookDoc>),
     Namespace { name: String, labels: BTreeMap<String, String> },
     BrokerNodes { namespace: Option<String>, name: String, nodes: Vec<String> },
@@ -234,8 +240,9 @@ pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadErro
                     }
                 }
             }
-            Object::Deployment(d) => {
-                into.deployments.push(DeploymentDoc { id: id("Deployment", &d.metadata), deployment: *d })
+            Object::Workload(w) => {
+                let id = id(w.key.kind.as_str(), w.object.meta());
+                into.workloads.push(WorkloadDoc { id, workload: *w })
             }
             Object::Webhook(hooks) => into.webhooks.extend(hooks),
             Object::Namespace { name, labels } => {
@@ -305,7 +312,11 @@ impl<'de> DeserializeSeed<'de> for Seed<'_> {
                     namespace: namespace.clone(),
                 }
             }
-            Shape::Deployment => Object::Deployment(Box::new(Deployment::deserialize(d)?)),
+            Shape::Workload(Kind::Deployment) => Object::Workload(Box::new(Workload::new(Deployment::deserialize(d)?))),
+            Shape::Workload(Kind::StatefulSet) => {
+                Object::Workload(Box::new(Workload::new(StatefulSet::deserialize(d)?)))
+            }
+            Shape::Workload(Kind::Rollout) => Object::Workload(Box::new(Workload::new(Rollout::deserialize(d)?))),
             Shape::Webhook => {
                 let config = WebhookConfiguration::deserialize(d)?;
                 Object::Webhook(
@@ -497,13 +508,13 @@ mod tests {
         );
         let m = read_str("chart.yaml", &text).unwrap();
         assert_eq!(m.policies.len(), 1);
-        assert_eq!(m.deployments.len(), 1);
+        assert_eq!(m.workloads.len(), 1);
         assert_eq!(m.objects, 3, "the Service counts as an object, the comment-only document does not");
         let policy = &m.policies[0];
         assert_eq!(policy.id.to_string(), "QueuePolicy shop/orders");
         assert_eq!((policy.id.file.as_str(), policy.id.position), ("chart.yaml", 0));
-        assert_eq!(m.deployments[0].id.position, 1);
-        assert_eq!(m.deployments[0].deployment.spec.as_ref().unwrap().replicas, Some(2));
+        assert_eq!(m.workloads[0].id.position, 1);
+        assert_eq!(m.workloads[0].workload.replicas(), 2);
     }
 
     #[test]
@@ -518,11 +529,11 @@ mod tests {
         read("get.yaml", &text, &mut m).unwrap();
         read("more.yaml", DEPLOYMENT, &mut m).unwrap();
         assert_eq!(m.objects, 4);
-        assert_eq!(m.deployments.len(), 2);
+        assert_eq!(m.workloads.len(), 2);
         assert_eq!(m.policies[0].id.position, 1);
-        assert_eq!((m.deployments[1].id.file.as_str(), m.deployments[1].id.position), ("more.yaml", 3));
+        assert_eq!((m.workloads[1].id.file.as_str(), m.workloads[1].id.position), ("more.yaml", 3));
         let empty = read_str("e.yaml", "apiVersion: v1\nkind: List\nitems: []\n").unwrap();
-        assert_eq!((empty.objects, empty.deployments.len()), (0, 0));
+        assert_eq!((empty.objects, empty.workloads.len()), (0, 0));
     }
 
     #[test]

@@ -1,22 +1,21 @@
 //! The rules of `queueguard check`: pure functions from the objects read to findings. Each judges
 //! the way the operator would at run time, through the crate's own code: [`plan::plan`] for a
-//! policy, [`pattern::plan`] for a pattern, [`strategy::judge`] for a strategy,
-//! [`guards::guards`] for which Deployments a policy guards.
+//! policy, [`pattern::plan`] for a pattern, [`Workload::judge`] for a strategy,
+//! [`guards::guards`] for which workloads a policy guards.
 
-use super::{DeploymentDoc, Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity};
+use super::{Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity, WorkloadDoc};
 use crate::{
     crd::{API_VERSION, GateMode, QueuePolicy, QueueType},
     duration::Human,
-    gate::{
-        GATE_CONDITION, GatePlan, guards,
-        strategy::{self, Verdict},
-    },
+    gate::guards,
+    names::GATE_CONDITION,
     pattern::{self, PatternPlan},
-    plan::{self, FieldError, Limits, QueuePlan},
+    plan::{self, FieldError, GatePlan, Limits, QueuePlan},
     settings::POLICY_PRIORITY,
+    workload::{Judgement, Object, Workload, strategy},
 };
-use k8s_openapi::api::{apps::v1::Deployment, core::v1::PodSpec};
-use kube::{ResourceExt, core::SelectorExt};
+use k8s_openapi::{api::core::v1::PodSpec, apimachinery::pkg::util::intstr::IntOrString};
+use kube::core::SelectorExt;
 use std::{collections::BTreeMap, time::Duration};
 
 /// The name of the operator's own mutating webhook, which adds the readiness gate to the pods of
@@ -262,33 +261,28 @@ impl<'a> Facts<'a> {
         }
     }
 
-    /// The Deployments among the objects that `p` guards, exactly as the operator picks them.
-    pub fn guarded(&self, p: &Planned) -> Vec<&'a DeploymentDoc> {
-        self.manifests.deployments.iter().filter(|d| d.id.namespace == p.doc.id.namespace && guards(p, d)).collect()
+    /// The workloads among the objects that `p` guards, exactly as the operator picks them.
+    pub fn guarded(&self, p: &Planned) -> Vec<&'a WorkloadDoc> {
+        self.manifests.workloads.iter().filter(|d| d.id.namespace == p.doc.id.namespace && guards(p, d)).collect()
     }
 
     /// The valid policies among the objects that guard `d`.
-    pub fn guarding(&self, d: &DeploymentDoc) -> Vec<&Planned<'a>> {
+    pub fn guarding(&self, d: &WorkloadDoc) -> Vec<&Planned<'a>> {
         self.planned.iter().filter(|p| d.id.namespace == p.doc.id.namespace && guards(p, d)).collect()
     }
 }
 
-fn guards(p: &Planned, d: &DeploymentDoc) -> bool {
-    p.gate().is_some() && guards::guards(p.policy, &d.id.name, d.deployment.labels())
+fn guards(p: &Planned, d: &WorkloadDoc) -> bool {
+    let w = &d.workload;
+    p.gate().is_some() && guards::guards(p.policy, w.key.kind, &d.id.name, &w.labels)
 }
 
 fn finding(rule: Rule, severity: Severity, object: &ObjectId, message: String) -> Finding {
     Finding { rule, severity, object: object.clone(), message }
 }
 
-fn has_gate(d: &Deployment) -> bool {
-    pod_spec(d)
-        .and_then(|s| s.readiness_gates.as_ref())
-        .is_some_and(|gates| gates.iter().any(|g| g.condition_type == GATE_CONDITION))
-}
-
-fn pod_spec(d: &Deployment) -> Option<&PodSpec> {
-    d.spec.as_ref().and_then(|s| s.template.spec.as_ref())
+fn has_gate(d: &WorkloadDoc) -> bool {
+    d.workload.gate_position().is_some()
 }
 
 fn quoted_names<'p>(policies: impl IntoIterator<Item = &'p str>) -> String {
@@ -369,27 +363,35 @@ fn invalid_policy(f: &Facts) -> Vec<Finding> {
 /// QG002: the strategy as the operator judges it, against the strictest policy guarding it.
 fn unsafe_rollout_strategy(f: &Facts) -> Vec<Finding> {
     let mut out = Vec::new();
-    for d in &f.manifests.deployments {
+    for d in &f.manifests.workloads {
         let guarding = f.guarding(d);
         let Some((p, gate)) = guarding.iter().filter_map(|p| Some((p, p.gate()?))).max_by_key(|(_, g)| g.min_attached)
         else {
             continue;
         };
-        let (severity, message) = match strategy::judge(&d.deployment, gate.min_attached) {
-            Verdict::Safe { .. } => continue,
-            Verdict::Invalid(e) => (
+        let kind = d.workload.key.kind.as_str();
+        let (severity, message) = match d.workload.judge(gate.min_attached) {
+            Judgement::Safe { .. } => continue,
+            Judgement::Invalid(e) => (
                 Severity::Error,
                 format!(
                     "its rollout strategy cannot be read ({e}), so nobody can tell how many consumers a rollout keeps (the operator reports UnsafeRolloutStrategy). Use an integer or a percentage such as 25%."
                 ),
             ),
-            Verdict::Unsafe { why, patch } => {
-                let surge = match &patch["spec"]["strategy"]["rollingUpdate"]["maxSurge"] {
-                    serde_json::Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                let left = match strategy::fenceposts(&d.deployment) {
-                    Ok(Some(fp)) => (strategy::replicas(&d.deployment) - fp.max_unavailable).max(0),
+            Judgement::Unsafe { why, remedy } => (
+                Severity::Error,
+                format!(
+                    "{why} (QueuePolicy '{}' guards it with minAttached {}): {remedy}. queueguard never changes a {kind}'s strategy.",
+                    p.name(),
+                    gate.min_attached
+                ),
+            ),
+            Judgement::Fixable { why, fix, .. } => {
+                let left = match &*d.workload.object {
+                    Object::Deployment(dep) => match strategy::fenceposts(dep) {
+                        Ok(Some(fp)) => (strategy::replicas(dep) - fp.max_unavailable).max(0),
+                        _ => 0,
+                    },
                     _ => 0,
                 };
                 let worst = match left {
@@ -402,7 +404,7 @@ fn unsafe_rollout_strategy(f: &Facts) -> Vec<Finding> {
                     Some(fixer) => (
                         Severity::Warning,
                         format!(
-                            " QueuePolicy '{}' has gate.manageStrategy on and patches the live Deployment, but every sync of this manifest (helm upgrade, GitOps) puts the unsafe strategy back until its next reconcile: fix it here.",
+                            " QueuePolicy '{}' has gate.manageStrategy on and patches the live {kind}, but every sync of this manifest (helm upgrade, GitOps) puts the unsafe strategy back until the operator patches it again: fix it here.",
                             fixer.name()
                         ),
                     ),
@@ -419,9 +421,10 @@ fn unsafe_rollout_strategy(f: &Facts) -> Vec<Finding> {
                     ),
                 };
                 let message = format!(
-                    "{why} (QueuePolicy '{}' guards it with minAttached {}); at worst {worst} while the rollout runs. Set spec.strategy to type RollingUpdate with maxUnavailable: 0 and maxSurge: {surge}, so old pods go only as new ones have attached.{note}",
+                    "{why} (QueuePolicy '{}' guards it with minAttached {}); at worst {worst} while the rollout runs. Set {}, so old pods go only as new ones have attached.{note}",
                     p.name(),
-                    gate.min_attached
+                    gate.min_attached,
+                    fix_text(&fix["spec"]["strategy"]),
                 );
                 (severity, message)
             }
@@ -431,11 +434,32 @@ fn unsafe_rollout_strategy(f: &Facts) -> Vec<Finding> {
     out
 }
 
+/// What a strategy fix sets, as a reader would write it.
+fn fix_text(strategy: &serde_json::Value) -> String {
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    if let Some(canary) = strategy.get("canary") {
+        format!(
+            "spec.strategy.canary maxUnavailable: 0 and maxSurge: {}",
+            text(&canary["maxSurge"])
+        )
+    } else if let Some(blue_green) = strategy.get("blueGreen") {
+        format!("spec.strategy.blueGreen.maxUnavailable: {}", text(&blue_green["maxUnavailable"]))
+    } else {
+        format!(
+            "spec.strategy to type RollingUpdate with maxUnavailable: 0 and maxSurge: {}",
+            text(&strategy["rollingUpdate"]["maxSurge"])
+        )
+    }
+}
+
 /// QG003: Enforce mode without the readiness gate, and no webhook to add it (none among the
 /// objects, or one whose namespaceSelector leaves the namespace out).
 fn missing_readiness_gate(f: &Facts) -> Vec<Finding> {
     let mut out = Vec::new();
-    for d in f.manifests.deployments.iter().filter(|d| !has_gate(&d.deployment)) {
+    for d in f.manifests.workloads.iter().filter(|d| !has_gate(d)) {
         let Some(p) = f.guarding(d).into_iter().find(|p| p.enforces()) else { continue };
         let intro = format!(
             "QueuePolicy '{}' guards it in gate.mode Enforce, but its pod template has no readiness gate {GATE_CONDITION}",
@@ -474,7 +498,7 @@ fn missing_readiness_gate(f: &Facts) -> Vec<Finding> {
 /// QG004: the readiness gate with nobody to set it.
 fn gate_never_opens(f: &Facts) -> Vec<Finding> {
     let mut out = Vec::new();
-    for d in f.manifests.deployments.iter().filter(|d| has_gate(&d.deployment)) {
+    for d in f.manifests.workloads.iter().filter(|d| has_gate(d)) {
         let guarding = f.guarding(d);
         if guarding.is_empty() || guarding.iter().any(|p| p.enforces()) {
             continue;
@@ -497,14 +521,15 @@ fn gate_never_opens(f: &Facts) -> Vec<Finding> {
     out
 }
 
-/// How long a rollout of a Deployment can take, as QG005 estimates it: each step replaces up to
-/// maxSurge pods (at least one; Recreate replaces all at once) and takes the old pod's
-/// termination grace period, the new pod's start-up and minAttachedSeconds.
+/// How long a rollout of a workload can take, as QG005 estimates it: each step replaces up to
+/// maxSurge pods (at least one; a StatefulSet maxUnavailable, without surge; Recreate and a
+/// blue-green Rollout replace all at once) and takes the old pod's termination grace period, the
+/// new pod's start-up and minAttachedSeconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RolloutEstimate {
     pub replicas: i32,
-    /// None for Recreate.
-    pub max_surge: Option<i32>,
+    /// Pods replaced per step; None when all are replaced at once.
+    pub per_step: Option<i32>,
     pub steps: u32,
     pub termination: Duration,
     pub start_up: Duration,
@@ -524,24 +549,39 @@ impl RolloutEstimate {
     }
 }
 
-/// The estimate for `d` with the policy's minAttachedSeconds; None when nothing would roll
+/// The estimate for `w` with the policy's minAttachedSeconds; None when nothing would roll
 /// (scaled to zero) or the strategy cannot be read.
-pub fn rollout_estimate(d: &Deployment, min_attached: Duration) -> Option<RolloutEstimate> {
-    let replicas = strategy::replicas(d);
+pub fn rollout_estimate(w: &Workload, min_attached: Duration) -> Option<RolloutEstimate> {
+    let replicas = w.replicas();
     if replicas <= 0 {
         return None;
     }
-    let max_surge = strategy::fenceposts(d).ok()?.map(|fp| fp.max_surge);
-    let steps = match max_surge {
+    let per_step = match &*w.object {
+        Object::Deployment(d) => strategy::fenceposts(d).ok()?.map(|fp| fp.max_surge),
+        Object::StatefulSet(s) => {
+            let rolling = s.spec.as_ref()?.update_strategy.as_ref().and_then(|u| u.rolling_update.as_ref());
+            match rolling.and_then(|r| r.max_unavailable.as_ref()) {
+                Some(v) => Some(strategy::scaled(v, replicas, true).ok()?.max(1)),
+                None => Some(1),
+            }
+        }
+        Object::Rollout(r) => match &r.spec.strategy.canary {
+            Some(c) => Some(
+                strategy::scaled(c.max_surge.as_ref().unwrap_or(&IntOrString::String("25%".into())), replicas, true).ok()?,
+            ),
+            None => None,
+        },
+    };
+    let steps = match per_step {
         Some(surge) => replicas.unsigned_abs().div_ceil(surge.max(1).unsigned_abs()),
         None => 1,
     };
-    let spec = pod_spec(d);
+    let spec = w.pod_spec();
     let grace = spec.and_then(|s| s.termination_grace_period_seconds).unwrap_or(DEFAULT_TERMINATION_GRACE_SECONDS);
     let (start_up, start_up_from) = start_up(spec);
     Some(RolloutEstimate {
         replicas,
-        max_surge,
+        per_step,
         steps,
         termination: secs(grace),
         start_up: secs(start_up),
@@ -590,19 +630,19 @@ fn expires_shorter_than_rollout(f: &Facts) -> Vec<Finding> {
         let Some(gate) = p.gate() else { continue };
         let expires = p.plan.settings.expires;
         for d in f.guarded(p) {
-            let Some(est) = rollout_estimate(&d.deployment, gate.min_attached_for) else { continue };
+            let Some(est) = rollout_estimate(&d.workload, gate.min_attached_for) else { continue };
             let total = est.total();
             if expires >= total {
                 continue;
             }
-            let shape = match est.max_surge {
+            let shape = match est.per_step {
                 Some(surge) => format!(
-                    "{} step{} (replicas {}, maxSurge {surge})",
+                    "{} step{} (replicas {}, {surge} at a time)",
                     est.steps,
                     if est.steps == 1 { "" } else { "s" },
                     est.replicas
                 ),
-                None => format!("1 step (Recreate replaces all {} at once)", est.replicas),
+                None => format!("1 step (all {} replaced at once)", est.replicas),
             };
             let (severity, lease) = lease(p.plan.keep_alive);
             let advice = Duration::from_secs(total.as_secs().div_ceil(60).max(1).saturating_mul(60));
@@ -611,9 +651,10 @@ fn expires_shorter_than_rollout(f: &Facts) -> Vec<Finding> {
                 severity,
                 &p.doc.id,
                 format!(
-                    "queue '{}' expires after {} without consumers, but a rollout of Deployment '{}' may take about {}: {shape} of {} each ({} terminationGracePeriodSeconds + {} start-up ({}) + {} minAttachedSeconds). Should every consumer be gone that long (a stalled or unsafe rollout) {lease}, the broker deletes the queue and drops its messages without dead-lettering them. Set spec.queue.expires to at least {}.",
+                    "queue '{}' expires after {} without consumers, but a rollout of {} '{}' may take about {}: {shape} of {} each ({} terminationGracePeriodSeconds + {} start-up ({}) + {} minAttachedSeconds). Should every consumer be gone that long (a stalled or unsafe rollout) {lease}, the broker deletes the queue and drops its messages without dead-lettering them. Set spec.queue.expires to at least {}.",
                     p.plan.queue,
                     Human(expires),
+                    d.workload.key.kind.as_str(),
                     d.id.name,
                     Human(total),
                     Human(est.step()),
@@ -805,9 +846,9 @@ fn min_attached_exceeds_replicas(f: &Facts) -> Vec<Finding> {
         let Some(gate) = p.gate() else { continue };
         let n = gate.min_attached;
         let guarded = f.guarded(p);
-        let total: i32 = guarded.iter().map(|d| strategy::replicas(&d.deployment)).sum();
+        let total: i32 = guarded.iter().map(|d| d.workload.replicas()).sum();
         for d in guarded {
-            let r = strategy::replicas(&d.deployment);
+            let r = d.workload.replicas();
             if r <= 0 || r >= n {
                 continue;
             }
@@ -846,7 +887,7 @@ fn scaled_to_zero_queue_expires(f: &Facts) -> Vec<Finding> {
     let mut out = Vec::new();
     for p in f.planned.iter().filter(|p| !p.plan.keep_alive) {
         let guarded = f.guarded(p);
-        if guarded.is_empty() || guarded.iter().any(|d| strategy::replicas(&d.deployment) > 0) {
+        if guarded.is_empty() || guarded.iter().any(|d| d.workload.replicas() > 0) {
             continue;
         }
         let names = quoted_names(guarded.iter().map(|d| d.id.name.as_str()));
@@ -870,7 +911,7 @@ fn disruption_budget_blocks_drains(f: &Facts) -> Vec<Finding> {
     for p in f.planned.iter().filter(|p| keeps_pdb(p)) {
         let Some(gate) = p.gate() else { continue };
         let n = gate.min_attached;
-        for d in f.guarded(p).into_iter().filter(|d| strategy::replicas(&d.deployment) == n) {
+        for d in f.guarded(p).into_iter().filter(|d| d.workload.replicas() == n) {
             out.push(finding(
                 Rule::DisruptionBudgetBlocksDrains,
                 Severity::Warning,
@@ -1271,7 +1312,7 @@ mod tests {
         ) + &slow;
         let f = only(&text, Rule::ExpiresShorterThanRollout);
         assert_eq!((f.severity, f.object.to_string()), (Severity::Error, "QueuePolicy shop/orders".into()));
-        assert!(f.message.starts_with("queue 'orders' expires after 5m without consumers, but a rollout of Deployment 'worker' may take about 8m: 4 steps (replicas 4, maxSurge 1) of 2m each (1m terminationGracePeriodSeconds + 40s start-up (startupProbe of container 'worker': 10s + 6 × 5s) + 20s minAttachedSeconds). Should every consumer be gone that long (a stalled or unsafe rollout) with keepAlive false, so that nothing renews the lease, the broker deletes the queue"), "{}", f.message);
+        assert!(f.message.starts_with("queue 'orders' expires after 5m without consumers, but a rollout of Deployment 'worker' may take about 8m: 4 steps (replicas 4, 1 at a time) of 2m each (1m terminationGracePeriodSeconds + 40s start-up (startupProbe of container 'worker': 10s + 6 × 5s) + 20s minAttachedSeconds). Should every consumer be gone that long (a stalled or unsafe rollout) with keepAlive false, so that nothing renews the lease, the broker deletes the queue"), "{}", f.message);
         assert!(f.message.ends_with("Set spec.queue.expires to at least 8m."), "{}", f.message);
         // With keepAlive the operator renews the lease while it runs: a warning.
         let kept = text.replace(", keepAlive: false", "");
@@ -1291,17 +1332,17 @@ mod tests {
             "containers: [{name: a, image: a, readinessProbe: {initialDelaySeconds: 15, httpGet: {port: 80}}}, {name: b, image: b}]",
         );
         let m = read_str("t.yaml", &yaml).unwrap();
-        let est = rollout_estimate(&m.deployments[0].deployment, Duration::from_secs(5)).unwrap();
+        let est = rollout_estimate(&m.workloads[0].workload, Duration::from_secs(5)).unwrap();
         assert_eq!((est.steps, est.termination, est.start_up), (2, Duration::from_secs(30), Duration::from_secs(25)));
         assert_eq!(est.start_up_from, "readinessProbe of container 'a': 15s + 10s");
         assert_eq!(est.total(), Duration::from_secs(120));
         let recreate =
             read_str("t.yaml", &deployment("w", "  replicas: 5\n  strategy: {type: Recreate}\n", "")).unwrap();
-        let est = rollout_estimate(&recreate.deployments[0].deployment, Duration::ZERO).unwrap();
-        assert_eq!((est.steps, est.max_surge, est.total()), (1, None, Duration::from_secs(30)));
+        let est = rollout_estimate(&recreate.workloads[0].workload, Duration::ZERO).unwrap();
+        assert_eq!((est.steps, est.per_step, est.total()), (1, None, Duration::from_secs(30)));
         assert_eq!(est.start_up_from, "no startup or readiness probe");
         let zero = read_str("t.yaml", &deployment("w", "  replicas: 0\n", "")).unwrap();
-        assert_eq!(rollout_estimate(&zero.deployments[0].deployment, Duration::ZERO), None);
+        assert_eq!(rollout_estimate(&zero.workloads[0].workload, Duration::ZERO), None);
     }
 
     #[test]

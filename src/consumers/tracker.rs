@@ -12,6 +12,7 @@
 //! consumers are polled for. After the subscription is lost (its node, say), it subscribes
 //! again through the next node, resyncs at once and once more after the statistics lag.
 
+use crate::sync::lock;
 use super::{
     events,
     registry::{BrokerEvent, Change, ConnectionFacts, Consumer, QueueKey, Registry, Snapshot},
@@ -676,9 +677,6 @@ pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[cfg(test)]
 mod tests {

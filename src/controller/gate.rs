@@ -1,38 +1,40 @@
 //! The gate's Kubernetes and broker I/O around the pure [`GateIndex`]: the watches and the
-//! consumer trackers feed it, one task writes every pod condition it decides, a timer wakes it
-//! when time alone changes a verdict, and each policy's reconcile reads its view from it (no
-//! LISTs) and applies the strategy patches and disruption budgets that view calls for.
+//! consumer trackers feed it, one task makes every write it decides (pod conditions, strategy
+//! fixes, disruption budgets), a timer wakes it when time alone changes a verdict, and each
+//! policy's reconcile reads its view from it (no LISTs, no writes of the gate's).
 
-use super::{Context, Error, FIELD_MANAGER};
+use super::{Context, Error};
 use crate::{
     consumers::{
         Change, Consumer, ConsumerTracker, QueueKey, Tracking,
         tracker::{Interest, now_ms},
     },
-    crd::{BudgetOwner, DisruptionBudgetObservation, GateMode, QueuePolicy},
+    crd::{API_VERSION, BudgetOwner, DisruptionBudgetObservation, QueuePolicy},
     events::{EventReason, EventSpec},
     gate::{
-        self, GatePlan, PodPatch,
+        self, PodPatch,
         index::{
-            Binding, Budget, BudgetFacts, Consumers, DeploymentFacts, Effects, GateIndex, ObjectKey, PolicyFacts,
-            Unbound,
+            Binding, BudgetFacts, Consumers, Effects, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, StrategyFix,
+            Unbound, Write,
         },
-        pdb,
         pods::PodFacts,
     },
     metrics::{Metrics, PolicyLabels},
-    plan::Limits,
+    names::FIELD_MANAGER,
+    plan::{GatePlan, Limits},
     status::GateReport,
+    sync::lock,
+    workload::{Kind, Workload, owner::replica_set_owner, rollout::Rollout},
 };
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::{
-    apps::v1::Deployment,
+    apps::v1::{Deployment, ReplicaSet, StatefulSet},
     core::v1::{ObjectReference, Pod},
     policy::v1::PodDisruptionBudget,
 };
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, Patch, PatchParams},
+    api::{DeleteParams, Patch, PatchParams, PartialObjectMeta},
     runtime::{
         events::{Event, EventType, Recorder},
         reflector::ObjectRef,
@@ -46,8 +48,8 @@ use std::{
 };
 use tokio::sync::{Notify, broadcast::error::RecvError, mpsc, watch};
 
-/// How long the pod-condition writer may go without an answer from the API server before the
-/// leader gives its Lease up: two requests cut off at their deadline in a row.
+/// How long the writer may go without an answer from the API server before the leader gives
+/// its Lease up: two requests cut off at their deadline in a row.
 pub const WRITER_STALL: Duration = Duration::from_secs(2 * crate::kube_api::REQUEST_TIMEOUT.as_secs());
 
 /// How long a reconcile waits for the gate's watches to sync before it retries.
@@ -58,13 +60,13 @@ pub struct Gate {
     index: Mutex<GateIndex>,
     trackers: Mutex<HashMap<u64, Arc<ConsumerTracker>>>,
     limits: Limits,
-    writes: mpsc::UnboundedSender<PodPatch>,
+    writes: mpsc::UnboundedSender<Write>,
     wake: mpsc::UnboundedSender<ObjectRef<QueuePolicy>>,
     timer: Arc<Notify>,
     synced: watch::Sender<bool>,
     relists: Mutex<Relists>,
-    /// Since when the pod-condition writer has had a patch out and no answer from the API server
-    /// (None: idle, or answered since).
+    /// Since when the writer has had a write out and no answer from the API server (None: idle,
+    /// or answered since).
     unanswered_since: Mutex<Option<tokio::time::Instant>>,
     /// What each bound policy asked its tracker to keep (its queue and dead-letter queue).
     interests: Mutex<HashMap<ObjectKey, [Interest; 2]>>,
@@ -81,7 +83,10 @@ pub struct QueueWatch {
 #[derive(Default)]
 pub struct Relists {
     policies: Option<Vec<PolicyFacts>>,
-    deployments: Option<Vec<DeploymentFacts>>,
+    deployments: Option<Vec<Workload>>,
+    stateful_sets: Option<Vec<Workload>>,
+    rollouts: Option<Vec<Workload>>,
+    replica_sets: Option<Vec<ReplicaSetFacts>>,
     pods: Option<Vec<PodFacts>>,
     budgets: Option<Vec<BudgetFacts>>,
 }
@@ -100,7 +105,7 @@ impl Consumers for Live {
 }
 
 impl Gate {
-    /// Starts the pod condition writer and the timer. Policies the index wakes come out of the
+    /// Starts the writer and the timer. Policies the index wakes come out of the
     /// returned receiver.
     pub fn start(
         client: Client,
@@ -122,7 +127,7 @@ impl Gate {
             unanswered_since: Mutex::default(),
             interests: Mutex::default(),
         });
-        tokio::spawn(write_conditions(Arc::downgrade(&gate), client, recorder, metrics, write_rx));
+        tokio::spawn(write_all(Arc::downgrade(&gate), client, recorder, metrics, write_rx));
         tokio::spawn(run_timers(Arc::downgrade(&gate), gate.timer.clone()));
         (gate, wake_rx)
     }
@@ -148,8 +153,8 @@ impl Gate {
     }
 
     fn dispatch(&self, effects: Effects) {
-        for patch in effects.patches {
-            let _ = self.writes.send(patch);
+        for write in effects.writes {
+            let _ = self.writes.send(write);
         }
         for key in effects.wake {
             let _ = self.wake.send(ObjectRef::new(&key.name).within(&key.namespace));
@@ -157,8 +162,8 @@ impl Gate {
         self.timer.notify_one();
     }
 
-    /// How long the pod-condition writer has had work and no answer from the API server: a
-    /// leader whose writer cannot write must let another replica lead (see `controller::run`).
+    /// How long the writer has had work and no answer from the API server: a leader whose
+    /// writer cannot write must let another replica lead (see `controller::run`).
     pub fn writer_unanswered(&self) -> Option<Duration> {
         lock(&self.unanswered_since).map(|since| since.elapsed())
     }
@@ -255,7 +260,7 @@ impl Gate {
     /// One watch event of a kind the index keeps. A re-list (`Init` … `InitDone`) is gathered
     /// and then replaces what the index holds of that kind: objects deleted while the watch was
     /// down are gone.
-    pub fn on<K: Watched>(&self, event: &watcher::Event<K>) {
+    pub fn on<K: Indexed>(&self, event: &watcher::Event<K>) {
         let now = now_ms();
         match event {
             watcher::Event::Apply(o) => {
@@ -278,10 +283,16 @@ impl Gate {
             }
         }
     }
+
+    /// A kind whose API the cluster does not serve (no Argo Rollouts CRD): none of it exists,
+    /// and its watch is not started.
+    pub fn kind_unavailable(&self, kind: Kind) {
+        self.update(|i| i.kind_unavailable(kind));
+    }
 }
 
 /// A watched kind, as the index takes it.
-pub trait Watched: Sized {
+pub trait Indexed: Sized {
     type Facts;
     fn facts(&self, limits: Limits) -> Self::Facts;
     fn upsert(index: &mut GateIndex, facts: Self::Facts, now: i64);
@@ -291,7 +302,7 @@ pub trait Watched: Sized {
     fn relist(relists: &mut Relists) -> &mut Option<Vec<Self::Facts>>;
 }
 
-impl Watched for QueuePolicy {
+impl Indexed for QueuePolicy {
     type Facts = PolicyFacts;
     fn facts(&self, limits: Limits) -> PolicyFacts {
         PolicyFacts::from_policy(self, limits)
@@ -310,26 +321,54 @@ impl Watched for QueuePolicy {
     }
 }
 
-impl Watched for Deployment {
-    type Facts = DeploymentFacts;
-    fn facts(&self, _: Limits) -> DeploymentFacts {
-        DeploymentFacts::from_deployment(self)
+/// The workload kinds, each through the seam.
+macro_rules! indexed_workload {
+    ($kind:ty, $slot:ident, $k:expr) => {
+        impl Indexed for $kind {
+            type Facts = Workload;
+            fn facts(&self, _: Limits) -> Workload {
+                Workload::new(self.clone())
+            }
+            fn upsert(index: &mut GateIndex, facts: Workload, _: i64) {
+                index.upsert_workload(facts);
+            }
+            fn remove(index: &mut GateIndex, object: &Self) {
+                index.remove_workload(&Workload::new(object.clone()).key);
+            }
+            fn replace(index: &mut GateIndex, all: Vec<Workload>, _: i64) {
+                index.replace_workloads($k, all);
+            }
+            fn relist(relists: &mut Relists) -> &mut Option<Vec<Workload>> {
+                &mut relists.$slot
+            }
+        }
+    };
+}
+
+indexed_workload!(Deployment, deployments, Kind::Deployment);
+indexed_workload!(StatefulSet, stateful_sets, Kind::StatefulSet);
+indexed_workload!(Rollout, rollouts, Kind::Rollout);
+
+impl Indexed for PartialObjectMeta<ReplicaSet> {
+    type Facts = ReplicaSetFacts;
+    fn facts(&self, _: Limits) -> ReplicaSetFacts {
+        ReplicaSetFacts { key: ObjectKey::of(self), owner: replica_set_owner(&self.metadata) }
     }
-    fn upsert(index: &mut GateIndex, facts: DeploymentFacts, _: i64) {
-        index.upsert_deployment(facts);
+    fn upsert(index: &mut GateIndex, facts: ReplicaSetFacts, _: i64) {
+        index.upsert_replica_set(facts);
     }
     fn remove(index: &mut GateIndex, object: &Self) {
-        index.remove_deployment(&ObjectKey::of(object));
+        index.remove_replica_set(&ObjectKey::of(object));
     }
-    fn replace(index: &mut GateIndex, all: Vec<DeploymentFacts>, _: i64) {
-        index.replace_deployments(all);
+    fn replace(index: &mut GateIndex, all: Vec<ReplicaSetFacts>, _: i64) {
+        index.replace_replica_sets(all);
     }
-    fn relist(relists: &mut Relists) -> &mut Option<Vec<DeploymentFacts>> {
-        &mut relists.deployments
+    fn relist(relists: &mut Relists) -> &mut Option<Vec<ReplicaSetFacts>> {
+        &mut relists.replica_sets
     }
 }
 
-impl Watched for Pod {
+impl Indexed for Pod {
     type Facts = PodFacts;
     fn facts(&self, _: Limits) -> PodFacts {
         PodFacts::from_pod(self)
@@ -348,7 +387,7 @@ impl Watched for Pod {
     }
 }
 
-impl Watched for PodDisruptionBudget {
+impl Indexed for PodDisruptionBudget {
     type Facts = BudgetFacts;
     fn facts(&self, _: Limits) -> BudgetFacts {
         BudgetFacts::from_budget(self)
@@ -433,67 +472,143 @@ async fn run_timers(gate: Weak<Gate>, timer: Arc<Notify>) {
     }
 }
 
-/// The one writer of pod conditions: each patch in order, and its Event on the pod beside. Every
-/// request is bounded (`kube_api`), so a patch the API server never answers fails, is tried again
-/// later, and holds the next pod's patch back only that long.
-async fn write_conditions(
+/// The one writer of everything the gate decides: each write in order (pod conditions by
+/// strategic merge patch on pods/status with the pod's UID as precondition, strategy fixes and
+/// budgets by server-side apply under the operator's field manager), with its Event beside.
+/// Every request is bounded (`kube_api`), so a write the API server never answers fails, is tried
+/// again later, and holds the next one back only that long. It runs on the leader only: the
+/// index is fed once the Lease is held.
+async fn write_all(
     gate: Weak<Gate>,
     client: Client,
     recorder: Recorder,
     metrics: Arc<Metrics>,
-    mut patches: mpsc::UnboundedReceiver<PodPatch>,
+    mut writes: mpsc::UnboundedReceiver<Write>,
 ) {
-    while let Some(patch) = patches.recv().await {
-        let api: Api<Pod> = Api::namespaced(client.clone(), &patch.namespace);
+    while let Some(write) = writes.recv().await {
         if let Some(g) = gate.upgrade() {
             lock(&g.unanswered_since).get_or_insert_with(tokio::time::Instant::now);
         }
-        let written = api.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await;
-        if matches!(written, Ok(_) | Err(kube::Error::Api(_)))
+        let written = perform(&client, &write).await;
+        if matches!(written, Ok(()) | Err(kube::Error::Api(_)))
             && let Some(g) = gate.upgrade()
         {
             *lock(&g.unanswered_since) = None;
         }
         match written {
-            Ok(_) => {
-                // The next pod's condition does not wait for this one's Event.
-                tokio::spawn(publish_on_pod(recorder.clone(), patch.clone()));
-                if let Some(waited) = patch.waited_ms {
-                    for p in &patch.policies {
-                        let labels = PolicyLabels { namespace: p.namespace.clone(), policy: p.name.clone() };
-                        metrics.gate_opened(&labels, Duration::from_millis(waited as u64));
+            Ok(()) => match &write {
+                Write::Condition(patch) => {
+                    // The next pod's condition does not wait for this one's Event.
+                    if let Some(spec) = patch.event() {
+                        tokio::spawn(publish(recorder.clone(), pod_reference(patch), spec));
+                    }
+                    if let Some(waited) = patch.waited_ms {
+                        for p in &patch.policies {
+                            let labels = PolicyLabels { namespace: p.namespace.clone(), policy: p.name.clone() };
+                            metrics.gate_opened(&labels, Duration::from_millis(waited as u64));
+                        }
                     }
                 }
-            }
+                Write::Strategy(fix) => {
+                    for policy in &fix.policies {
+                        tokio::spawn(publish(recorder.clone(), policy_reference(policy), strategy_event(fix)));
+                    }
+                }
+                Write::ApplyBudget { .. } | Write::DeleteBudget { .. } => {}
+            },
             Err(e) => {
                 match &e {
                     // Gone, or replaced under the same name (the UID precondition failed): the
                     // watch brings the news.
                     kube::Error::Api(s) if matches!(s.code, 404 | 409 | 422) => {
-                        tracing::debug!(pod = %patch.pod, reason = %s.message, "pod changed before its condition was written")
+                        tracing::debug!(write = %describe(&write), reason = %s.message, "the object changed before the gate's write")
                     }
-                    e => {
-                        tracing::warn!(pod = %patch.pod, error = %e, "could not write the pod's gate condition; retrying")
-                    }
+                    e => tracing::warn!(write = %describe(&write), error = %e, "the gate's write failed; retrying"),
                 }
                 if let Some(g) = gate.upgrade() {
-                    g.update(|i| i.write_failed(&patch.uid, now_ms()));
+                    g.update(|i| i.write_failed(&write, now_ms()));
                 }
             }
         }
     }
 }
 
-async fn publish_on_pod(recorder: Recorder, patch: PodPatch) {
-    let spec = patch.event();
-    let reference = ObjectReference {
+/// One write's request.
+async fn perform(client: &Client, write: &Write) -> Result<(), kube::Error> {
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    match write {
+        Write::Condition(patch) => {
+            let api: Api<Pod> = Api::namespaced(client.clone(), &patch.namespace);
+            api.patch_status(&patch.pod, &PatchParams::default(), &Patch::Strategic(patch.body())).await.map(drop)
+        }
+        Write::Strategy(fix) => {
+            let (ns, name) = (&fix.workload.namespace, &fix.workload.name);
+            match fix.workload.kind {
+                Kind::Deployment => {
+                    Api::<Deployment>::namespaced(client.clone(), ns).patch(name, &apply, &Patch::Apply(&fix.body)).await.map(drop)
+                }
+                Kind::Rollout => {
+                    Api::<Rollout>::namespaced(client.clone(), ns).patch(name, &apply, &Patch::Apply(&fix.body)).await.map(drop)
+                }
+                // Never patched (the index makes no fix for it).
+                Kind::StatefulSet => Ok(()),
+            }
+        }
+        Write::ApplyBudget { budget, .. } => {
+            let api: Api<PodDisruptionBudget> =
+                Api::namespaced(client.clone(), budget.metadata.namespace.as_deref().unwrap_or_default());
+            api.patch(&budget.name_any(), &apply, &Patch::Apply(budget.as_ref())).await.map(drop)
+        }
+        Write::DeleteBudget { budget, .. } => {
+            let api: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &budget.namespace);
+            match api.delete(&budget.name, &DeleteParams::default()).await {
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                other => other.map(drop),
+            }
+        }
+    }
+}
+
+fn describe(write: &Write) -> String {
+    match write {
+        Write::Condition(p) => format!("pod {}/{} condition", p.namespace, p.pod),
+        Write::Strategy(f) => format!("{} strategy", f.workload),
+        Write::ApplyBudget { workload, .. } => format!("{workload} disruption budget"),
+        Write::DeleteBudget { budget, .. } => format!("disruption budget {budget} deletion"),
+    }
+}
+
+fn strategy_event(fix: &StrategyFix) -> EventSpec {
+    EventSpec {
+        warning: false,
+        reason: EventReason::StrategyPatched,
+        action: "GuardRollout",
+        note: format!("{} '{}': {}; {}", fix.workload.kind.as_str(), fix.workload.name, fix.why, fix.done),
+    }
+}
+
+fn pod_reference(patch: &PodPatch) -> ObjectReference {
+    ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Pod".into()),
         name: Some(patch.pod.clone()),
         namespace: Some(patch.namespace.clone()),
         uid: Some(patch.uid.clone()),
         ..Default::default()
-    };
+    }
+}
+
+fn policy_reference(policy: &ObjectKey) -> ObjectReference {
+    ObjectReference {
+        api_version: Some(API_VERSION.into()),
+        kind: Some("QueuePolicy".into()),
+        name: Some(policy.name.clone()),
+        namespace: Some(policy.namespace.clone()),
+        ..Default::default()
+    }
+}
+
+async fn publish(recorder: Recorder, reference: ObjectReference, spec: EventSpec) {
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
         reason: spec.reason.as_str().into(),
@@ -515,8 +630,8 @@ pub struct GatePass {
     pub recheck_after: Option<Duration>,
 }
 
-/// The gate's part of a policy's reconcile: its view from the index, the strategy patches and
-/// disruption budgets it calls for (Enforce mode), and its report.
+/// The gate's part of a policy's reconcile: its view from the index and its report. It writes
+/// nothing: strategy fixes and budgets are the index's, made by the one writer.
 pub async fn run(policy: &QueuePolicy, plan: &GatePlan, ctx: &Context) -> Result<GatePass, Error> {
     if !ctx.gate.wait_synced(SYNC_WAIT).await {
         return Err(Error::NotSynced);
@@ -526,23 +641,18 @@ pub async fn run(policy: &QueuePolicy, plan: &GatePlan, ctx: &Context) -> Result
     let previous = policy.status.as_ref().and_then(|s| s.rollout.as_ref()).map(|r| r.phase);
     let report = gate::report(plan, &view, previous, now_ms());
     let mut events = report.events;
-    if plan.mode == GateMode::Enforce {
-        let deploys: Api<Deployment> = Api::namespaced(ctx.client.clone(), &key.namespace);
-        for (name, patch) in &report.strategy_patches {
-            deploys.patch(name, &PatchParams::default(), &Patch::Strategic(patch)).await?;
-        }
-    }
-    let budgets = sync_budgets(policy, ctx).await?;
     let old: Vec<&DisruptionBudgetObservation> =
         policy.status.as_ref().map(|s| s.disruption_budgets.iter().collect()).unwrap_or_default();
-    for b in budgets.iter().filter(|b| b.owner == BudgetOwner::Foreign && !old.contains(b)) {
+    for b in report.budgets.iter().filter(|b| b.owner == BudgetOwner::Foreign && !old.contains(b)) {
         events.push(EventSpec {
             warning: false,
             reason: EventReason::DisruptionBudgetSkipped,
             action: "GuardDrains",
             note: format!(
-                "PodDisruptionBudget '{}' already selects the pods of Deployment '{}': queueguard creates none (the eviction API refuses pods covered by two budgets)",
-                b.name, b.deployment
+                "PodDisruptionBudget '{}' already selects the pods of {} '{}': queueguard creates none (the eviction API refuses pods covered by two budgets)",
+                b.name,
+                b.kind.as_str(),
+                b.workload
             ),
         });
     }
@@ -552,77 +662,9 @@ pub async fn run(policy: &QueuePolicy, plan: &GatePlan, ctx: &Context) -> Result
             rollout_safe: report.rollout_safe,
             consumers: report.consumers,
             rollout: report.rollout,
-            budgets,
+            budgets: report.budgets,
         },
         events,
         recheck_after: report.recheck_after,
     })
-}
-
-/// Brings the disruption budgets of the policy's Deployments (and of any budget naming the
-/// policy as an owner) to what the index decides, reading them from the watch. Returns what
-/// the policy's status says of them.
-pub async fn sync_budgets(policy: &QueuePolicy, ctx: &Context) -> Result<Vec<DisruptionBudgetObservation>, Error> {
-    let key = ObjectKey::of(policy);
-    let uid = policy.uid().unwrap_or_default();
-    let api: Api<PodDisruptionBudget> = Api::namespaced(ctx.client.clone(), &key.namespace);
-    let (guarded, decisions, touching) = ctx.gate.read(|i| {
-        let guarded = i.guarded(&key);
-        let mut decisions: Vec<(String, Budget)> = guarded.iter().map(|d| (d.name.clone(), i.budget_for(d))).collect();
-        let touching = i.budgets_touching(&key.namespace, &uid, &guarded);
-        for b in &touching {
-            if let Some(d) = &b.deployment
-                && !decisions.iter().any(|(name, _)| name == d)
-            {
-                decisions.push((d.clone(), i.budget_for(&ObjectKey::new(key.namespace.clone(), d.clone()))));
-            }
-        }
-        (guarded, decisions, touching)
-    });
-    let mut seen = Vec::new();
-    let mut wanted = Vec::new();
-    for (deployment, decision) in &decisions {
-        match decision {
-            Budget::Want(want) => {
-                let name = want.name_any();
-                let existing = touching.iter().find(|b| b.key.name == name);
-                if !existing.is_some_and(|b| pdb::same(&b.object, want)) {
-                    api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(want)).await?;
-                }
-                let min = want.spec.as_ref().and_then(|s| s.min_available.as_ref()).and_then(|m| match m {
-                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n) => Some(*n),
-                    _ => None,
-                });
-                seen.push(DisruptionBudgetObservation {
-                    deployment: deployment.clone(),
-                    name: name.clone(),
-                    owner: BudgetOwner::Managed,
-                    min_available: min,
-                });
-                wanted.push(name);
-            }
-            Budget::Foreign(names) => seen.extend(names.iter().map(|n| DisruptionBudgetObservation {
-                deployment: deployment.clone(),
-                name: n.clone(),
-                owner: BudgetOwner::Foreign,
-                min_available: None,
-            })),
-            Budget::None => {}
-        }
-    }
-    for stale in touching.iter().filter(|b| !wanted.contains(&b.key.name)) {
-        match api.delete(&stale.key.name, &DeleteParams::default()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    // Budgets of Deployments this policy no longer guards were brought in line above; its
-    // status speaks of its own.
-    seen.retain(|b| guarded.iter().any(|d| d.name == b.deployment));
-    Ok(seen)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -6,6 +6,7 @@ pub mod gate;
 pub mod pattern;
 mod secrets;
 
+use crate::sync::lock;
 use self::gate::{Gate, QueueWatch, SYNC_WAIT};
 use crate::{
     broker::BrokerPool,
@@ -26,8 +27,13 @@ use crate::{
     status::{Check, Outcome, Reason, next_status},
 };
 use futures::{StreamExt, TryStreamExt};
+use crate::workload::{Kind, rollout::Rollout};
 use k8s_openapi::{
-    api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget},
+    api::{
+        apps::v1::{Deployment, ReplicaSet, StatefulSet},
+        core::v1::Pod,
+        policy::v1::PodDisruptionBudget,
+    },
     jiff::Timestamp,
 };
 use kube::{
@@ -211,7 +217,7 @@ impl Context {
     /// The stream of policies the gate wakes up (their pods, Deployments, budgets or queue's
     /// consumers changed, or their queue was deleted); there is one receiver, for the controller.
     pub fn take_trigger_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
-        self.wake_rx.lock().unwrap_or_else(|p| p.into_inner()).take()
+        lock(&self.wake_rx).take()
     }
 }
 
@@ -367,6 +373,19 @@ impl Scope {
     }
 }
 
+/// Whether the API server serves Argo Rollouts' `rollouts` (its CRD is installed). Asked once
+/// at start: a watch of a kind that is not served would fail and retry for ever.
+async fn serves_rollouts(client: &Client) -> bool {
+    match client.list_api_group_resources("argoproj.io/v1alpha1").await {
+        Ok(list) => list.resources.iter().any(|r| r.name == "rollouts"),
+        Err(kube::Error::Api(e)) if e.code == 404 => false,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not ask whether the cluster serves Argo Rollouts; not watching Rollouts");
+            false
+        }
+    }
+}
+
 async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     let client = ctx.client.clone();
     let scope = Arc::new(scope);
@@ -381,6 +400,20 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     });
     let g = ctx.gate.clone();
     tokio::spawn(gate::feed(scope.watch::<Deployment>(&client), move |e| g.on(e)));
+    let g = ctx.gate.clone();
+    tokio::spawn(gate::feed(scope.watch::<StatefulSet>(&client), move |e| g.on(e)));
+    if serves_rollouts(&client).await {
+        let g = ctx.gate.clone();
+        tokio::spawn(gate::feed(scope.watch::<Rollout>(&client), move |e| g.on(e)));
+    } else {
+        tracing::info!(
+            "the cluster serves no Argo Rollouts API (argoproj.io/v1alpha1 rollouts): Rollouts are not watched; restart the operator after installing Argo Rollouts"
+        );
+        ctx.gate.kind_unavailable(Kind::Rollout);
+    }
+    // Only the owner of each ReplicaSet is read: it leads a pod to its Deployment or Rollout.
+    let g = ctx.gate.clone();
+    tokio::spawn(gate::feed(scope.watch::<kube::api::PartialObjectMeta<ReplicaSet>>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
     tokio::spawn(gate::feed(scope.watch::<Pod>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
@@ -626,7 +659,7 @@ async fn look(
     tracker: Option<&crate::consumers::ConsumerTracker>,
 ) -> Option<findings::Report> {
     let memory = {
-        let memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+        let memos = lock(&ctx.memos);
         match memos.get(me).and_then(|m| m.looked.as_ref()) {
             Some((_, at)) if at.elapsed() < FINDINGS_EVERY => return None,
             Some((memory, _)) => memory.clone(),
@@ -642,7 +675,7 @@ async fn look(
         }
     };
     let (memory, report) = findings::evaluate(&memory, &seen, &plan.findings);
-    ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).entry(me.clone()).or_default().looked =
+    lock(&ctx.memos).entry(me.clone()).or_default().looked =
         Some((memory, Instant::now()));
     Some(report)
 }
@@ -654,7 +687,7 @@ fn recent_outcome(
     generation: Option<i64>,
     plan: &QueuePlan,
 ) -> Option<Outcome> {
-    let memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    let memos = lock(&ctx.memos);
     let c = memos.get(me)?.converged.as_ref()?;
     let fresh = c.generation == generation
         && c.outcome.is_ready()
@@ -663,7 +696,7 @@ fn recent_outcome(
 }
 
 fn remember(ctx: &Context, me: &ObjectRef<QueuePolicy>, generation: Option<i64>, outcome: &Outcome) {
-    let mut memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    let mut memos = lock(&ctx.memos);
     memos.entry(me.clone()).or_default().converged =
         Some(Converged { generation, at: Instant::now(), outcome: outcome.clone() });
 }
@@ -671,15 +704,11 @@ fn remember(ctx: &Context, me: &ObjectRef<QueuePolicy>, generation: Option<i64>,
 /// Deleting a QueuePolicy: Retain leaves everything; Delete removes an empty, unused queue.
 async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(policy);
-    // No longer voting nor owning budgets: the budgets of its Deployments follow the other
-    // guarding policies, or go.
-    if policy.spec.consumers.is_some() && ctx.gate.is_synced() {
-        ctx.gate.upsert_policy(policy);
-        gate::sync_budgets(policy, ctx).await?;
-    }
+    // No longer voting nor owning budgets: the index has the writer bring the budgets of its
+    // workloads in line with the other guarding policies, or delete them.
     ctx.gate.forget_policy(&ObjectKey::of(policy));
     ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
-    ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).remove(&me);
+    lock(&ctx.memos).remove(&me);
     let plan = match plan::plan(policy, ctx.limits) {
         Ok(plan) => plan,
         // A queue declared under an earlier, valid spec stays until the spec says again which it
@@ -805,7 +834,7 @@ pub(crate) async fn broker_from_secret(
 /// The status this operator last wrote for this very policy (same uid), while the watch cache
 /// has not caught up with it; once it has, the cache's copy serves and this one is let go.
 fn last_written(ctx: &Context, policy: &QueuePolicy) -> Option<QueuePolicyStatus> {
-    let mut memos = ctx.memos.lock().unwrap_or_else(|p| p.into_inner());
+    let mut memos = lock(&ctx.memos);
     let memo = memos.get_mut(&ObjectRef::from_obj(policy))?;
     let (uid, status) = memo.written.as_ref()?;
     let seen = same_as_stored(policy.status.as_ref(), status);
@@ -837,7 +866,7 @@ async fn write_status(
     let api: Api<QueuePolicy> = Api::namespaced(ctx.client.clone(), &ns);
     let patch = json!({ "apiVersion": API_VERSION, "kind": "QueuePolicy", "status": status });
     api.patch_status(&policy.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
-    ctx.memos.lock().unwrap_or_else(|p| p.into_inner()).entry(ObjectRef::from_obj(policy)).or_default().written =
+    lock(&ctx.memos).entry(ObjectRef::from_obj(policy)).or_default().written =
         Some((policy.uid().unwrap_or_default(), status.clone()));
     let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
     for event in events::transitions(old, &status.conditions) {

@@ -8,6 +8,7 @@
 //! than the 20 s between the findings' looks, so a fleet at rest costs one read per Secret a
 //! minute, however many policies use it (`cargo bench --bench fleet`).
 
+use crate::sync::lock;
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client};
 use std::{
@@ -33,7 +34,7 @@ impl Secrets {
     /// Secret created after its policy is found by the next reconcile.
     pub async fn get(&self, client: &Client, ns: &str, name: &str) -> Result<Option<Secret>, kube::Error> {
         let slot = {
-            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            let mut slots = lock(&self.slots);
             evict_stale(&mut slots, Instant::now());
             slots.entry((ns.to_owned(), name.to_owned())).or_default().clone()
         };

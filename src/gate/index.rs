@@ -1,29 +1,30 @@
-//! The gate's index: every pod of a Deployment, the Deployments and QueuePolicies around it, the
-//! disruption budgets, and which broker queue each policy is bound to. It is keyed so that the
-//! Deployments a policy guards and the policies guarding a pod are one lookup each.
+//! The gate's index: every pod of a guarded workload, the workloads (Deployments, StatefulSets,
+//! Argo Rollouts) and QueuePolicies around them, the ReplicaSets that lead a pod to its
+//! workload, the disruption budgets, and which broker queue each policy is bound to. It is keyed
+//! so that the workloads a policy guards and the policies guarding a pod are one lookup each.
 //!
-//! Fed by the Pod, Deployment, PodDisruptionBudget and QueuePolicy watches and by the consumer
-//! trackers. Pure and synchronous: a mutation marks the pods and policies it touches, and
-//! [`GateIndex::flush`] evaluates them and returns the pod condition patches (for the one
-//! writer) and the policies whose status view may have changed. A pod's condition is patched
-//! only when its combined verdict flips; a condition written but not yet seen back through the
-//! watch counts as written, so nothing is sent twice.
+//! Fed by the watches and by the consumer trackers. Pure and synchronous: a mutation marks the
+//! pods, workloads and policies it touches, and [`GateIndex::flush`] evaluates them and returns
+//! every write the gate wants (pod conditions, strategy fixes, disruption budgets) for the one
+//! writer, and the policies whose status view may have changed. It is the only source of desired
+//! state: reconciles read its views and write nothing of the gate's. A pod's condition is
+//! written once when the pod first carries the gate, then only when its verdict flips; a write
+//! not yet seen back through the watch counts as done, so nothing is sent twice.
 
 use super::{
     GatePlan, PodPatch,
     guards::Selects,
     pods::{Ownership, PodFacts, ownership},
-    verdict::{self, Ballot, PolicyVote, Verdict, Vote},
+    verdict::{self, Ballot, GateReason, PolicyVote, Verdict, Vote},
 };
 use crate::{
     consumers::{Consumer, QueueKey, Tracking},
     crd::{GateMode, QueuePolicy},
+    names::MANAGED_BY,
     plan::{self, Limits},
+    workload::{Judgement, Kind, Workload, WorkloadKey, owner::PodOwner},
 };
-use k8s_openapi::{
-    api::{apps::v1::Deployment, policy::v1::PodDisruptionBudget},
-    apimachinery::pkg::apis::meta::v1::LabelSelector,
-};
+use k8s_openapi::{api::policy::v1::PodDisruptionBudget, apimachinery::pkg::apis::meta::v1::LabelSelector};
 use kube::{
     ResourceExt,
     core::{Selector, SelectorExt},
@@ -33,10 +34,8 @@ use std::{
     sync::Arc,
 };
 
-/// A failed pod condition write is tried again after this long.
+/// A failed write is tried again after this long.
 pub const RETRY_MS: i64 = 1_000;
-/// Label naming the Deployment of a budget the operator keeps.
-pub const BUDGET_DEPLOYMENT: &str = "queueguard.io/deployment";
 
 /// A namespaced object's identity.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -90,7 +89,7 @@ impl PolicyFacts {
     }
 
     /// The plan of a policy that acts on pods: valid, in Enforce mode, not being deleted.
-    fn enforcing(&self) -> Option<&GatePlan> {
+    pub fn enforcing(&self) -> Option<&GatePlan> {
         self.plan.as_ref().ok().filter(|p| p.mode == GateMode::Enforce && !self.deleting)
     }
 }
@@ -133,35 +132,11 @@ pub trait Consumers {
     fn tracking(&self, source: u64, vhost: &str) -> Tracking;
 }
 
-/// What the gate needs of a Deployment.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DeploymentFacts {
+/// What the gate needs of a ReplicaSet: the workload controlling it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaSetFacts {
     pub key: ObjectKey,
-    pub labels: BTreeMap<String, String>,
-    /// Its pod template's labels (what a disruption budget would select).
-    pub template_labels: BTreeMap<String, String>,
-    /// The object without its bookkeeping (managed fields, resource version), for strategy and
-    /// rollout judgements.
-    pub object: Arc<Deployment>,
-}
-
-impl DeploymentFacts {
-    pub fn from_deployment(d: &Deployment) -> Self {
-        let mut object = d.clone();
-        object.metadata.managed_fields = None;
-        object.metadata.resource_version = None;
-        Self {
-            key: ObjectKey::of(d),
-            labels: d.labels().clone(),
-            template_labels: d
-                .spec
-                .as_ref()
-                .and_then(|s| s.template.metadata.as_ref())
-                .and_then(|m| m.labels.clone())
-                .unwrap_or_default(),
-            object: Arc::new(object),
-        }
-    }
+    pub owner: Option<WorkloadKey>,
 }
 
 /// What the gate needs of a PodDisruptionBudget.
@@ -171,25 +146,28 @@ pub struct BudgetFacts {
     pub selector: Option<LabelSelector>,
     /// Kept by queueguard (its managed-by label).
     pub ours: bool,
-    /// For the operator's budgets: the Deployment it covers.
-    pub deployment: Option<String>,
-    pub owners: Vec<String>,
+    /// For the operator's budgets: the workload it covers.
+    pub workload: Option<WorkloadKey>,
     pub object: Arc<PodDisruptionBudget>,
 }
 
 impl BudgetFacts {
     pub fn from_budget(b: &PodDisruptionBudget) -> Self {
+        use strum::VariantArray;
         let labels = b.labels();
         let mut object = b.clone();
         object.metadata.managed_fields = None;
         object.metadata.resource_version = None;
         object.status = None;
+        let key = ObjectKey::of(b);
+        let workload = Kind::VARIANTS
+            .iter()
+            .find_map(|k| labels.get(k.budget_label()).map(|name| WorkloadKey::new(*k, key.namespace.clone(), name)));
         Self {
-            key: ObjectKey::of(b),
+            ours: labels.get(MANAGED_BY.0).map(String::as_str) == Some(MANAGED_BY.1),
+            key,
             selector: b.spec.as_ref().and_then(|s| s.selector.clone()),
-            ours: labels.get(super::pdb::MANAGED_BY.0).map(String::as_str) == Some(super::pdb::MANAGED_BY.1),
-            deployment: labels.get(BUDGET_DEPLOYMENT).cloned(),
-            owners: b.owner_references().iter().map(|o| o.uid.clone()).collect(),
+            workload,
             object: Arc::new(object),
         }
     }
@@ -200,26 +178,64 @@ impl BudgetFacts {
     }
 }
 
-/// Which watches have delivered their first complete list.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Synced {
-    pub policies: bool,
-    pub deployments: bool,
-    pub pods: bool,
-    pub budgets: bool,
+/// The watches the index is fed by; each has delivered its first complete list (or, for a
+/// kind whose API is not installed, been given up on) when its flag is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, strum::VariantArray)]
+pub enum Feed {
+    Policies,
+    Deployments,
+    StatefulSets,
+    Rollouts,
+    ReplicaSets,
+    Pods,
+    Budgets,
 }
 
+/// Which feeds have synced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Synced(BTreeSet<Feed>);
+
 impl Synced {
-    pub fn all(self) -> bool {
-        self.policies && self.deployments && self.pods && self.budgets
+    pub fn all(&self) -> bool {
+        use strum::VariantArray;
+        self.0.len() == Feed::VARIANTS.len()
     }
+
+    pub fn has(&self, feed: Feed) -> bool {
+        self.0.contains(&feed)
+    }
+}
+
+/// One write the gate wants, for the one writer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Write {
+    /// A pod's gate condition.
+    Condition(PodPatch),
+    /// A workload's strategy made safe: a server-side apply of its strategy fields.
+    Strategy(StrategyFix),
+    /// A workload's disruption budget, by server-side apply.
+    ApplyBudget { workload: WorkloadKey, budget: Box<PodDisruptionBudget> },
+    /// A budget of the operator's that no guarding policy wants any more.
+    DeleteBudget { workload: WorkloadKey, budget: ObjectKey },
+}
+
+/// A strategy fix and what it answers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StrategyFix {
+    pub workload: WorkloadKey,
+    pub body: serde_json::Value,
+    /// What was unsafe, and what the fix set.
+    pub why: String,
+    pub done: &'static str,
+    /// The policies managing the strategy (gate.manageStrategy, Enforce).
+    pub policies: Vec<ObjectKey>,
 }
 
 /// What a flush asks for.
 #[derive(Debug, Default, PartialEq)]
 pub struct Effects {
-    /// Pod conditions to write, in order.
-    pub patches: Vec<PodPatch>,
+    /// What to write, in order.
+    pub writes: Vec<Write>,
     /// Policies whose status view may have changed.
     pub wake: BTreeSet<ObjectKey>,
 }
@@ -241,8 +257,14 @@ struct PodEntry {
 }
 
 impl PodEntry {
+    /// The condition as it is on the pod, or as written and not yet seen back; None: never
+    /// written.
+    fn written(&self) -> Option<bool> {
+        self.sent.or_else(|| self.facts.condition.as_ref().map(|c| c.status))
+    }
+
     fn open(&self) -> bool {
-        self.sent.unwrap_or_else(|| self.facts.is_open())
+        self.written().unwrap_or(false)
     }
 
     /// When the pod started waiting: its containers became ready, or its gate last closed.
@@ -255,24 +277,42 @@ impl PodEntry {
     }
 }
 
+/// What the writer was last sent for a workload and has not been seen back yet.
+#[derive(Default)]
+struct WorkloadWrites {
+    strategy: Option<serde_json::Value>,
+    budget: Option<Sent>,
+    retry_at: i64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Sent {
+    Applied(Box<PodDisruptionBudget>),
+    Deleted(ObjectKey),
+}
+
 #[derive(Default)]
 struct Namespace {
     policies: BTreeSet<ObjectKey>,
-    deployments: BTreeSet<ObjectKey>,
+    workloads: BTreeSet<WorkloadKey>,
 }
 
 #[derive(Default)]
 pub struct GateIndex {
     policies: HashMap<ObjectKey, PolicyEntry>,
-    deployments: HashMap<ObjectKey, DeploymentFacts>,
+    workloads: HashMap<WorkloadKey, Workload>,
+    /// ReplicaSet → the workload controlling it (None: none of the kinds the gate knows).
+    replica_sets: HashMap<ObjectKey, Option<WorkloadKey>>,
     pods: HashMap<String, PodEntry>,
     namespaces: HashMap<String, Namespace>,
-    /// Policy → the Deployments it guards; Deployment → the policies guarding it. Name matches
-    /// are kept even before the Deployment is seen.
-    guards: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
-    guarded_by: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
-    /// Deployment → its pods (by UID).
-    pods_of: HashMap<ObjectKey, BTreeSet<String>>,
+    /// Policy → the workloads it guards; workload → the policies guarding it. Name matches are
+    /// kept even before the workload is seen.
+    guards: HashMap<ObjectKey, BTreeSet<WorkloadKey>>,
+    guarded_by: HashMap<WorkloadKey, BTreeSet<ObjectKey>>,
+    /// Workload → its pods (by UID), and ReplicaSet → its pods, so a ReplicaSet seen after its
+    /// pods leads them to their workload.
+    pods_of: HashMap<WorkloadKey, BTreeSet<String>>,
+    pods_of_replica_set: HashMap<ObjectKey, BTreeSet<String>>,
     /// Broker queue → the policies counting its consumers.
     bound: HashMap<(u64, QueueKey), BTreeSet<ObjectKey>>,
     /// Dead-letter queue → the policies dead-lettering into it.
@@ -280,10 +320,19 @@ pub struct GateIndex {
     /// Address → the pods holding it (terminal pods hold none).
     addresses: HashMap<String, BTreeSet<String>>,
     budgets: HashMap<ObjectKey, BudgetFacts>,
-    timers: BTreeSet<(i64, String)>,
+    writes: HashMap<WorkloadKey, WorkloadWrites>,
+    timers: BTreeSet<(i64, Timed)>,
     dirty_pods: BTreeSet<String>,
+    dirty_workloads: BTreeSet<WorkloadKey>,
     dirty_policies: BTreeSet<ObjectKey>,
     synced: Synced,
+}
+
+/// What a timer wakes.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Timed {
+    Pod(String),
+    Workload(WorkloadKey),
 }
 
 impl GateIndex {
@@ -313,11 +362,11 @@ impl GateIndex {
         if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
             ns.policies.remove(key);
         }
-        for d in self.guards.remove(key).unwrap_or_default() {
-            self.dirty_deployment(&d);
-            if let Some(set) = self.guarded_by.get_mut(&d) {
+        for w in self.guards.remove(key).unwrap_or_default() {
+            if let Some(set) = self.guarded_by.get_mut(&w) {
                 set.remove(key);
             }
+            self.touch_workload(&w);
         }
     }
 
@@ -337,9 +386,7 @@ impl GateIndex {
             }
             self.bound.entry((b.source, b.queue)).or_default().insert(key.clone());
         }
-        for d in self.guards.get(key).cloned().unwrap_or_default() {
-            self.dirty_deployment(&d);
-        }
+        self.touch_guarded(key);
     }
 
     fn unbind_queue(&mut self, b: &Binding, key: &ObjectKey) {
@@ -355,80 +402,129 @@ impl GateIndex {
         }
     }
 
-    /// Recomputes the Deployments a policy guards.
+    /// Recomputes the workloads a policy guards.
     fn regard(&mut self, key: &ObjectKey) {
         let Some(entry) = self.policies.get(key) else { return };
-        let wanted: BTreeSet<ObjectKey> = match &entry.facts.selects {
-            Selects::Name(name) => BTreeSet::from([ObjectKey::new(key.namespace.clone(), name.clone())]),
-            selects @ Selects::Labels(_) => self
+        let selects = &entry.facts.selects;
+        let wanted: BTreeSet<WorkloadKey> = match selects.named(&key.namespace) {
+            Some(named) => BTreeSet::from([named]),
+            None => self
                 .namespaces
                 .get(&key.namespace)
                 .into_iter()
-                .flat_map(|ns| &ns.deployments)
-                .filter(|d| self.deployments.get(*d).is_some_and(|f| selects.matches(&d.name, &f.labels)))
+                .flat_map(|ns| &ns.workloads)
+                .filter(|w| self.workloads.get(*w).is_some_and(|f| selects.matches(w.kind, &w.name, &f.labels)))
                 .cloned()
                 .collect(),
-            Selects::Nothing => BTreeSet::new(),
         };
         let old = self.guards.insert(key.clone(), wanted.clone()).unwrap_or_default();
-        for d in old.difference(&wanted) {
-            if let Some(set) = self.guarded_by.get_mut(d) {
+        for w in old.difference(&wanted) {
+            if let Some(set) = self.guarded_by.get_mut(w) {
                 set.remove(key);
             }
         }
-        for d in &wanted {
-            self.guarded_by.entry(d.clone()).or_default().insert(key.clone());
+        for w in &wanted {
+            self.guarded_by.entry(w.clone()).or_default().insert(key.clone());
         }
-        for d in old.union(&wanted) {
-            self.dirty_deployment(d);
+        for w in old.union(&wanted) {
+            self.touch_workload(w);
         }
     }
 
-    // ---- Deployments ----
+    // ---- Workloads and ReplicaSets ----
 
-    pub fn upsert_deployment(&mut self, facts: DeploymentFacts) {
+    pub fn upsert_workload(&mut self, facts: Workload) {
         let key = facts.key.clone();
-        if self.deployments.get(&key) == Some(&facts) {
+        if self.workloads.get(&key) == Some(&facts) {
             return;
         }
-        self.namespaces.entry(key.namespace.clone()).or_default().deployments.insert(key.clone());
-        self.deployments.insert(key.clone(), facts);
+        self.namespaces.entry(key.namespace.clone()).or_default().workloads.insert(key.clone());
+        self.workloads.insert(key.clone(), facts);
         self.reselect(&key);
-        self.dirty_deployment(&key);
+        self.touch_workload(&key);
     }
 
-    pub fn remove_deployment(&mut self, key: &ObjectKey) {
-        if self.deployments.remove(key).is_none() {
+    pub fn remove_workload(&mut self, key: &WorkloadKey) {
+        if self.workloads.remove(key).is_none() {
             return;
         }
         if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
-            ns.deployments.remove(key);
+            ns.workloads.remove(key);
         }
-        self.dirty_deployment(key);
+        self.touch_workload(key);
         self.reselect(key);
     }
 
-    /// Re-evaluates which label-selecting policies of its namespace pick this Deployment.
-    fn reselect(&mut self, d: &ObjectKey) {
-        let labels = self.deployments.get(d).map(|f| f.labels.clone());
+    /// Re-evaluates which label-selecting policies of its namespace pick this workload.
+    fn reselect(&mut self, w: &WorkloadKey) {
+        let labels = self.workloads.get(w).map(|f| f.labels.clone());
         let policies: Vec<ObjectKey> =
-            self.namespaces.get(&d.namespace).map(|ns| ns.policies.iter().cloned().collect()).unwrap_or_default();
+            self.namespaces.get(&w.namespace).map(|ns| ns.policies.iter().cloned().collect()).unwrap_or_default();
         for p in policies {
             let Some(entry) = self.policies.get(&p) else { continue };
-            if !matches!(entry.facts.selects, Selects::Labels(_)) {
+            if !matches!(entry.facts.selects, Selects::Labels { .. }) {
                 continue;
             }
-            let picks = labels.as_ref().is_some_and(|l| entry.facts.selects.matches(&d.name, l));
+            let picks = labels.as_ref().is_some_and(|l| entry.facts.selects.matches(w.kind, &w.name, l));
             let guards = self.guards.entry(p.clone()).or_default();
-            let changed = if picks { guards.insert(d.clone()) } else { guards.remove(d) };
+            let changed = if picks { guards.insert(w.clone()) } else { guards.remove(w) };
             if changed {
-                let set = self.guarded_by.entry(d.clone()).or_default();
+                let set = self.guarded_by.entry(w.clone()).or_default();
                 if picks {
                     set.insert(p.clone());
                 } else {
                     set.remove(&p);
                 }
-                self.dirty_policies.insert(p);
+                self.touch_workload(w);
+            }
+        }
+    }
+
+    pub fn upsert_replica_set(&mut self, facts: ReplicaSetFacts) {
+        let old = self.replica_sets.insert(facts.key.clone(), facts.owner.clone());
+        if old.as_ref() != Some(&facts.owner) {
+            self.relink(&facts.key, old.flatten().as_ref(), facts.owner.as_ref());
+        }
+    }
+
+    pub fn remove_replica_set(&mut self, key: &ObjectKey) {
+        if let Some(old) = self.replica_sets.remove(key) {
+            self.relink(key, old.as_ref(), None);
+        }
+    }
+
+    /// Moves a ReplicaSet's pods from the workload it led to before to the one it leads to now.
+    fn relink(&mut self, replica_set: &ObjectKey, old: Option<&WorkloadKey>, new: Option<&WorkloadKey>) {
+        let pods = self.pods_of_replica_set.get(replica_set).cloned().unwrap_or_default();
+        if pods.is_empty() {
+            return;
+        }
+        if let Some(old) = old {
+            if let Some(set) = self.pods_of.get_mut(old) {
+                set.retain(|uid| !pods.contains(uid));
+            }
+            self.touch_workload(old);
+        }
+        if let Some(new) = new {
+            self.pods_of.entry(new.clone()).or_default().extend(pods.iter().cloned());
+            self.touch_workload(new);
+        }
+        self.dirty_pods.extend(pods);
+    }
+
+    /// A pod whose ReplicaSet the watch has not delivered yet: whose it is cannot be told, so
+    /// it is not judged (judged unguarded, its gate would open before its consumer attached).
+    fn owner_unknown(&self, pod: &PodFacts) -> bool {
+        matches!(&pod.owner, Some(PodOwner::ReplicaSet(rs))
+            if !self.replica_sets.contains_key(&ObjectKey::new(pod.namespace.clone(), rs.clone())))
+    }
+
+    /// The workload a pod belongs to, through its controller.
+    fn workload_of(&self, pod: &PodFacts) -> Option<WorkloadKey> {
+        match pod.owner.as_ref()? {
+            PodOwner::StatefulSet(name) => Some(WorkloadKey::new(Kind::StatefulSet, pod.namespace.clone(), name.clone())),
+            PodOwner::ReplicaSet(name) => {
+                self.replica_sets.get(&ObjectKey::new(pod.namespace.clone(), name.clone())).cloned().flatten()
             }
         }
     }
@@ -454,9 +550,13 @@ impl GateIndex {
             }
             None => (None, 0, None),
         };
-        if let Some(d) = self.deployment_key(&facts) {
-            self.pods_of.entry(d.clone()).or_default().insert(uid.clone());
-            self.wake_guards(&d);
+        if let Some(PodOwner::ReplicaSet(rs)) = &facts.owner {
+            let rs = ObjectKey::new(facts.namespace.clone(), rs.clone());
+            self.pods_of_replica_set.entry(rs).or_default().insert(uid.clone());
+        }
+        if let Some(w) = self.workload_of(&facts) {
+            self.pods_of.entry(w.clone()).or_default().insert(uid.clone());
+            self.wake_guards(&w);
         }
         if !facts.terminal {
             for ip in &facts.ips {
@@ -480,16 +580,15 @@ impl GateIndex {
     fn forget_pod(&mut self, old: &PodEntry) {
         let uid = &old.facts.uid;
         if let Some(due) = old.due {
-            self.timers.remove(&(due, uid.clone()));
+            self.timers.remove(&(due, Timed::Pod(uid.clone())));
         }
-        if let Some(d) = self.deployment_key(&old.facts) {
-            if let Some(set) = self.pods_of.get_mut(&d) {
-                set.remove(uid);
-                if set.is_empty() {
-                    self.pods_of.remove(&d);
-                }
-            }
-            self.wake_guards(&d);
+        if let Some(PodOwner::ReplicaSet(rs)) = &old.facts.owner {
+            let rs = ObjectKey::new(old.facts.namespace.clone(), rs.clone());
+            remove_from(&mut self.pods_of_replica_set, &rs, uid);
+        }
+        if let Some(w) = self.workload_of(&old.facts) {
+            remove_from(&mut self.pods_of, &w, uid);
+            self.wake_guards(&w);
         }
         for ip in &old.facts.ips {
             if let Some(holders) = self.addresses.get_mut(ip) {
@@ -503,29 +602,41 @@ impl GateIndex {
         self.dirty_pods.remove(uid);
     }
 
-    fn deployment_key(&self, pod: &PodFacts) -> Option<ObjectKey> {
-        pod.deployment.as_ref().map(|d| ObjectKey::new(pod.namespace.clone(), d.clone()))
-    }
-
     // ---- PodDisruptionBudgets ----
 
     pub fn upsert_budget(&mut self, facts: BudgetFacts) {
         if self.budgets.get(&facts.key) == Some(&facts) {
             return;
         }
-        self.wake_namespace(&facts.key.namespace);
-        self.budgets.insert(facts.key.clone(), facts);
+        let namespace = facts.key.namespace.clone();
+        let old = self.budgets.insert(facts.key.clone(), facts);
+        self.budget_changed(&namespace, old);
     }
 
     pub fn remove_budget(&mut self, key: &ObjectKey) {
-        if self.budgets.remove(key).is_some() {
-            self.wake_namespace(&key.namespace);
+        if let Some(old) = self.budgets.remove(key) {
+            self.budget_changed(&key.namespace, Some(old));
         }
     }
 
-    fn wake_namespace(&mut self, namespace: &str) {
-        if let Some(ns) = self.namespaces.get(namespace) {
-            self.dirty_policies.extend(ns.policies.iter().cloned());
+    /// A budget can be any guarded workload's of its namespace (its own, or someone else's over
+    /// the same pods).
+    fn budget_changed(&mut self, namespace: &str, _old: Option<BudgetFacts>) {
+        let guarded: Vec<WorkloadKey> = self
+            .guarded_by
+            .iter()
+            .filter(|(w, by)| w.namespace == namespace && !by.is_empty())
+            .map(|(w, _)| w.clone())
+            .collect();
+        let ours: Vec<WorkloadKey> = self
+            .budgets
+            .values()
+            .filter(|b| b.key.namespace == namespace && b.ours)
+            .filter_map(|b| b.workload.clone())
+            .collect();
+        self.dirty_workloads.extend(guarded.iter().chain(&ours).cloned());
+        for w in guarded {
+            self.wake_guards(&w);
         }
     }
 
@@ -539,17 +650,34 @@ impl GateIndex {
         for pod in pods {
             self.upsert_pod(pod, now);
         }
-        self.synced.pods = true;
+        self.synced.0.insert(Feed::Pods);
     }
 
-    pub fn replace_deployments(&mut self, deployments: Vec<DeploymentFacts>) {
-        for key in unlisted(self.deployments.keys(), deployments.iter().map(|d| &d.key)) {
-            self.remove_deployment(&key);
+    /// The complete list of one kind of workload.
+    pub fn replace_workloads(&mut self, kind: Kind, workloads: Vec<Workload>) {
+        let held: Vec<&WorkloadKey> = self.workloads.keys().filter(|k| k.kind == kind).collect();
+        for key in unlisted(held.into_iter(), workloads.iter().map(|w| &w.key)) {
+            self.remove_workload(&key);
         }
-        for d in deployments {
-            self.upsert_deployment(d);
+        for w in workloads {
+            self.upsert_workload(w);
         }
-        self.synced.deployments = true;
+        self.synced.0.insert(Feed::of(kind));
+    }
+
+    /// A kind whose API the cluster does not serve (no Argo Rollouts CRD): none of it exists.
+    pub fn kind_unavailable(&mut self, kind: Kind) {
+        self.replace_workloads(kind, vec![]);
+    }
+
+    pub fn replace_replica_sets(&mut self, replica_sets: Vec<ReplicaSetFacts>) {
+        for key in unlisted(self.replica_sets.keys(), replica_sets.iter().map(|r| &r.key)) {
+            self.remove_replica_set(&key);
+        }
+        for r in replica_sets {
+            self.upsert_replica_set(r);
+        }
+        self.synced.0.insert(Feed::ReplicaSets);
     }
 
     pub fn replace_policies(&mut self, policies: Vec<PolicyFacts>) {
@@ -559,7 +687,7 @@ impl GateIndex {
         for p in policies {
             self.upsert_policy(p);
         }
-        self.synced.policies = true;
+        self.synced.0.insert(Feed::Policies);
     }
 
     pub fn replace_budgets(&mut self, budgets: Vec<BudgetFacts>) {
@@ -569,11 +697,11 @@ impl GateIndex {
         for b in budgets {
             self.upsert_budget(b);
         }
-        self.synced.budgets = true;
+        self.synced.0.insert(Feed::Budgets);
     }
 
-    pub fn synced(&self) -> Synced {
-        self.synced
+    pub fn synced(&self) -> &Synced {
+        &self.synced
     }
 
     /// A broker change: the pods of the policies counting that queue (or, for a tracking
@@ -598,9 +726,7 @@ impl GateIndex {
             }
         };
         for p in policies {
-            for d in self.guards.get(&p).cloned().unwrap_or_default() {
-                self.dirty_deployment(&d);
-            }
+            self.touch_guarded(&p);
             self.dirty_policies.insert(p);
         }
     }
@@ -609,111 +735,146 @@ impl GateIndex {
     pub fn all_consumers_changed(&mut self) {
         let policies: Vec<ObjectKey> = self.bound.values().flatten().cloned().collect();
         for p in policies {
-            for d in self.guards.get(&p).cloned().unwrap_or_default() {
-                self.dirty_deployment(&d);
-            }
+            self.touch_guarded(&p);
             self.dirty_policies.insert(p);
         }
     }
 
-    /// The earliest time a verdict changes by time alone.
+    /// The earliest time a verdict or a write changes by time alone.
     pub fn next_due(&self) -> Option<i64> {
         self.timers.first().map(|(at, _)| *at)
     }
 
-    /// Marks the pods whose time has come.
+    /// Marks the pods and workloads whose time has come.
     pub fn tick(&mut self, now: i64) {
-        while let Some((at, uid)) = self.timers.first().cloned() {
+        while let Some((at, timed)) = self.timers.first().cloned() {
             if at > now {
                 break;
             }
             self.timers.pop_first();
-            if let Some(p) = self.pods.get_mut(&uid) {
-                p.due = None;
-                self.dirty_pods.insert(uid.clone());
+            match timed {
+                Timed::Pod(uid) => {
+                    if let Some(p) = self.pods.get_mut(&uid) {
+                        p.due = None;
+                        self.dirty_pods.insert(uid);
+                    }
+                }
+                Timed::Workload(w) => {
+                    self.dirty_workloads.insert(w);
+                }
             }
         }
     }
 
-    /// The writer's answer for a patch: a failed write is tried again after [`RETRY_MS`].
-    pub fn write_failed(&mut self, uid: &str, now: i64) {
-        if let Some(p) = self.pods.get_mut(uid) {
-            p.sent = None;
-            p.retry_at = now + RETRY_MS;
-            self.dirty_pods.insert(uid.to_owned());
+    /// The writer's answer for a write that failed: it is tried again after [`RETRY_MS`].
+    pub fn write_failed(&mut self, write: &Write, now: i64) {
+        match write {
+            Write::Condition(patch) => {
+                if let Some(p) = self.pods.get_mut(&patch.uid) {
+                    p.sent = None;
+                    p.retry_at = now + RETRY_MS;
+                    self.dirty_pods.insert(patch.uid.clone());
+                }
+            }
+            Write::Strategy(StrategyFix { workload, .. })
+            | Write::ApplyBudget { workload, .. }
+            | Write::DeleteBudget { workload, .. } => {
+                let w = self.writes.entry(workload.clone()).or_default();
+                match write {
+                    Write::Strategy(_) => w.strategy = None,
+                    _ => w.budget = None,
+                }
+                w.retry_at = now + RETRY_MS;
+                self.timers.insert((now + RETRY_MS, Timed::Workload(workload.clone())));
+            }
         }
     }
 
-    fn dirty_deployment(&mut self, d: &ObjectKey) {
-        if let Some(pods) = self.pods_of.get(d) {
+    /// A workload changed for the gate: its pods, its policies' views and its own writes are
+    /// looked at again.
+    fn touch_workload(&mut self, w: &WorkloadKey) {
+        if let Some(pods) = self.pods_of.get(w) {
             self.dirty_pods.extend(pods.iter().cloned());
         }
-        self.wake_guards(d);
+        self.dirty_workloads.insert(w.clone());
+        self.wake_guards(w);
     }
 
-    fn wake_guards(&mut self, d: &ObjectKey) {
-        if let Some(ps) = self.guarded_by.get(d) {
+    fn touch_guarded(&mut self, policy: &ObjectKey) {
+        for w in self.guards.get(policy).cloned().unwrap_or_default() {
+            self.touch_workload(&w);
+        }
+    }
+
+    fn wake_guards(&mut self, w: &WorkloadKey) {
+        if let Some(ps) = self.guarded_by.get(w) {
             self.dirty_policies.extend(ps.iter().cloned());
         }
     }
 
     // ---- Evaluation ----
 
-    /// Evaluates what changed. Until every watch has synced once, no pod is looked at (a pod
-    /// seen before its policy would look unguarded); policies are woken all the same.
+    /// Evaluates what changed. Until every watch has synced once, nothing is looked at (a pod
+    /// seen before its policy would look unguarded, a budget before its workload unwanted);
+    /// policies are woken all the same.
     pub fn flush(&mut self, consumers: &dyn Consumers, now: i64) -> Effects {
         if !self.synced.all() {
-            return Effects { patches: vec![], wake: std::mem::take(&mut self.dirty_policies) };
+            return Effects { writes: vec![], wake: std::mem::take(&mut self.dirty_policies) };
         }
         let mut cache = ConsumerCache::new(consumers);
-        let mut patches = Vec::new();
+        let mut writes = Vec::new();
         for uid in std::mem::take(&mut self.dirty_pods) {
             if let Some(patch) = self.evaluate(&uid, &mut cache, now) {
-                patches.push(patch);
+                writes.push(Write::Condition(patch));
             }
         }
-        Effects { patches, wake: std::mem::take(&mut self.dirty_policies) }
+        for w in std::mem::take(&mut self.dirty_workloads) {
+            writes.extend(self.evaluate_workload(&w, now));
+        }
+        Effects { writes, wake: std::mem::take(&mut self.dirty_policies) }
     }
 
-    /// Looks at every pod and policy again (after the first sync).
+    /// Looks at every pod, workload and policy again (after the first sync).
     pub fn mark_all(&mut self) {
         self.dirty_pods.extend(self.pods.keys().cloned());
+        self.dirty_workloads.extend(self.guarded_by.keys().cloned());
+        self.dirty_workloads.extend(self.budgets.values().filter(|b| b.ours).filter_map(|b| b.workload.clone()));
         self.dirty_policies.extend(self.policies.keys().cloned());
     }
 
     fn evaluate(&mut self, uid: &str, cache: &mut ConsumerCache, now: i64) -> Option<PodPatch> {
         let entry = self.pods.get(uid)?;
         if let Some(due) = entry.due {
-            self.timers.remove(&(due, uid.to_owned()));
+            self.timers.remove(&(due, Timed::Pod(uid.to_owned())));
         }
-        if !entry.facts.has_gate || entry.facts.deleting || entry.facts.terminal {
+        if !entry.facts.has_gate || entry.facts.deleting || entry.facts.terminal || self.owner_unknown(&entry.facts) {
             let p = self.pods.get_mut(uid)?;
             p.due = None;
             p.verdict = None;
             return None;
         }
-        let open = entry.open();
+        let written = entry.written();
+        let open = written.unwrap_or(false);
         let waiting_since = entry.waiting_since();
         let mut votes: Vec<(String, PolicyVote)> = Vec::new();
         let mut voters = Vec::new();
-        for key in self.deployment_key(&entry.facts).and_then(|d| self.guarded_by.get(&d)).into_iter().flatten() {
+        for key in self.workload_of(&entry.facts).and_then(|w| self.guarded_by.get(&w)).into_iter().flatten() {
             let Some(policy) = self.policies.get(key) else { continue };
             if policy.facts.deleting {
                 continue;
             }
-            let vote = match &policy.facts.plan {
-                Err(why) => PolicyVote {
-                    vote: Vote::Hold { message: format!("QueuePolicy '{}' is invalid: {why}", key.name) },
-                    due_ms: None,
-                    attached_since: None,
-                    counts: false,
-                },
-                Ok(plan) if plan.mode == GateMode::Observe => continue,
-                Ok(plan) => {
-                    let (tracking, consumers) = match &policy.binding {
-                        Ok(b) => (cache.tracking(b), cache.consumers(b)),
-                        Err(why) => (Tracking::Unavailable(why.to_string()), Arc::default()),
-                    };
+            let hold = |reason, message| PolicyVote {
+                vote: Vote::Hold { reason, message },
+                due_ms: None,
+                attached_since: None,
+                counts: false,
+            };
+            let vote = match (&policy.facts.plan, &policy.binding) {
+                (Err(why), _) => hold(GateReason::PolicyInvalid, format!("QueuePolicy '{}' is invalid: {why}", key.name)),
+                (Ok(plan), _) if plan.mode == GateMode::Observe => continue,
+                (Ok(_), Err(why)) => hold(GateReason::WaitingForQueues, format!("its queue is not bound yet: {why}")),
+                (Ok(plan), Ok(b)) => {
+                    let (tracking, consumers) = (cache.tracking(b), cache.consumers(b));
                     let mine: Vec<&Consumer> =
                         consumers.iter().filter(|c| self.owns(&entry.facts, c, plan) == Ownership::Owned).collect();
                     verdict::vote(&Ballot { plan, tracking: &tracking, mine: &mine, open, waiting_since, now })
@@ -730,7 +891,14 @@ impl GateIndex {
         let verdict = verdict::combine(&ballots);
         let retry_at = entry.retry_at;
         let mut due = votes.iter().filter_map(|(_, v)| v.due_ms).min();
-        let desired = verdict.open.filter(|want| *want != open);
+        // A flip is written; so is a pod's first word, which says why it waits even where the
+        // verdict holds the condition as it is.
+        let desired = match (verdict.open, written) {
+            (Some(want), Some(have)) if want == have => None,
+            (Some(want), _) => Some(want),
+            (None, None) => Some(false),
+            (None, Some(_)) => None,
+        };
         let patch = match desired {
             Some(_) if now < retry_at => {
                 due = Some(due.map_or(retry_at, |d| d.min(retry_at)));
@@ -741,6 +909,7 @@ impl GateIndex {
                 pod: entry.facts.name.clone(),
                 uid: uid.to_owned(),
                 attached,
+                first: written.is_none(),
                 reason: verdict.reason,
                 message: verdict.message.clone(),
                 transition_ms: now,
@@ -756,9 +925,82 @@ impl GateIndex {
         p.due = due;
         p.verdict = Some(verdict);
         if let Some(at) = due {
-            self.timers.insert((at, uid.to_owned()));
+            self.timers.insert((at, Timed::Pod(uid.to_owned())));
         }
         patch
+    }
+
+    /// The strategy fix and budget writes a workload needs now, leaving out what was sent and
+    /// not yet seen back through the watches.
+    fn evaluate_workload(&mut self, key: &WorkloadKey, now: i64) -> Vec<Write> {
+        let retry_at = self.writes.get(key).map_or(0, |w| w.retry_at);
+        if now < retry_at {
+            self.timers.insert((retry_at, Timed::Workload(key.clone())));
+            return vec![];
+        }
+        let fix = self.strategy_fix(key);
+        let budget = self.budget_write(key);
+        let sent = self.writes.entry(key.clone()).or_default();
+        let mut out = Vec::new();
+        match fix {
+            Some(fix) if sent.strategy.as_ref() != Some(&fix.body) => {
+                sent.strategy = Some(fix.body.clone());
+                out.push(Write::Strategy(fix));
+            }
+            Some(_) => {}
+            None => sent.strategy = None,
+        }
+        match budget {
+            Some(write) if sent.budget.as_ref() != Some(&write) => {
+                sent.budget = Some(write.clone());
+                out.push(match write {
+                    Sent::Applied(budget) => Write::ApplyBudget { workload: key.clone(), budget },
+                    Sent::Deleted(budget) => Write::DeleteBudget { workload: key.clone(), budget },
+                });
+            }
+            Some(_) => {}
+            None => sent.budget = None,
+        }
+        if sent.strategy.is_none() && sent.budget.is_none() {
+            self.writes.remove(key);
+        }
+        out
+    }
+
+    /// The strategy fix the policies managing a workload's strategy call for: judged for the
+    /// strictest minAttached among them, for the kinds queueguard may change.
+    fn strategy_fix(&self, key: &WorkloadKey) -> Option<StrategyFix> {
+        let workload = self.workloads.get(key).filter(|_| key.kind.strategy_managed())?;
+        let managing: Vec<(&ObjectKey, &GatePlan)> = self
+            .guarded_by
+            .get(key)?
+            .iter()
+            .filter_map(|k| self.policies.get(k)?.facts.enforcing().filter(|p| p.manage_strategy).map(|p| (k, p)))
+            .collect();
+        let min_attached = managing.iter().map(|(_, p)| p.min_attached).max()?;
+        match workload.judge(min_attached) {
+            Judgement::Fixable { why, fix, done } => Some(StrategyFix {
+                workload: key.clone(),
+                body: fix,
+                why,
+                done,
+                policies: managing.iter().map(|(k, _)| (*k).clone()).collect(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The one budget write a workload needs: its budget applied where it differs from what
+    /// the watch shows, or the operator's budget deleted where none is wanted.
+    fn budget_write(&self, key: &WorkloadKey) -> Option<Sent> {
+        let ours = self.budgets.values().find(|b| b.ours && b.workload.as_ref() == Some(key));
+        match self.budget_for(key) {
+            Budget::Want(want) => {
+                let same = ours.is_some_and(|b| b.key.name == want.name_any() && super::pdb::same(&b.object, &want));
+                (!same).then_some(Sent::Applied(want))
+            }
+            Budget::Foreign(_) | Budget::None => ours.map(|b| Sent::Deleted(b.key.clone())),
+        }
     }
 
     fn owns(&self, pod: &PodFacts, consumer: &Consumer, plan: &GatePlan) -> Ownership {
@@ -767,7 +1009,8 @@ impl GateIndex {
 
     // ---- Views ----
 
-    /// What one policy sees of its pods, for its status. None for an unknown or invalid policy.
+    /// What one policy sees of its workloads and pods, for its status. None for an unknown or
+    /// invalid policy.
     pub fn policy_view(&self, key: &ObjectKey, consumers: &dyn Consumers, now: i64) -> Option<PolicyView> {
         let entry = self.policies.get(key)?;
         let plan = entry.facts.plan.as_ref().ok()?;
@@ -776,12 +1019,12 @@ impl GateIndex {
             Err(why) => (Tracking::Unavailable(why.to_string()), vec![]),
         };
         let guarded = self.guards.get(key).cloned().unwrap_or_default();
-        let deployments: Vec<Arc<Deployment>> =
-            guarded.iter().filter_map(|d| self.deployments.get(d)).map(|f| f.object.clone()).collect();
+        let workloads: Vec<Workload> = guarded.iter().filter_map(|w| self.workloads.get(w)).cloned().collect();
+        let budgets = workloads.iter().map(|w| (w.key.clone(), self.budget_for(&w.key))).collect();
         let mut pods = Vec::new();
         let mut owned = vec![Ownership::Foreign; on_queue.len()];
         let mut ambiguous = BTreeSet::new();
-        for uid in guarded.iter().filter_map(|d| self.pods_of.get(d)).flatten() {
+        for uid in guarded.iter().filter_map(|w| self.pods_of.get(w)).flatten() {
             let Some(p) = self.pods.get(uid) else { continue };
             if p.facts.deleting || p.facts.terminal {
                 continue;
@@ -816,7 +1059,9 @@ impl GateIndex {
         pods.sort_by(|a, b| a.name.cmp(&b.name));
         pods.dedup_by(|a, b| a.name == b.name);
         Some(PolicyView {
-            deployments,
+            selects: entry.facts.selects.clone(),
+            workloads,
+            budgets,
             pods,
             tracking,
             unmatched: owned.iter().filter(|o| **o == Ownership::Foreign).count(),
@@ -826,23 +1071,24 @@ impl GateIndex {
         })
     }
 
-    /// What a Deployment's disruption budget should be: one per Deployment, however many
-    /// policies guard it, with the strictest minAttached; none where a budget of someone else's
-    /// already selects its pods (the eviction API refuses pods covered by two).
-    pub fn budget_for(&self, deployment: &ObjectKey) -> Budget {
+    /// What a workload's disruption budget should be: one per workload, however many policies
+    /// guard it, with the strictest minAttached; none where a budget of someone else's already
+    /// selects its pods (the eviction API refuses pods covered by two).
+    pub fn budget_for(&self, workload: &WorkloadKey) -> Budget {
         let guards: Vec<(&PolicyFacts, &GatePlan)> = self
             .guarded_by
-            .get(deployment)
+            .get(workload)
             .into_iter()
             .flatten()
             .filter_map(|k| self.policies.get(k))
             .filter_map(|e| e.facts.enforcing().filter(|p| p.pod_disruption_budget).map(|p| (&e.facts, p)))
             .collect();
-        let Some(d) = self.deployments.get(deployment).filter(|_| !guards.is_empty()) else { return Budget::None };
+        let Some(w) = self.workloads.get(workload).filter(|_| !guards.is_empty()) else { return Budget::None };
+        let template_labels = w.template_labels();
         let foreign: Vec<String> = self
             .budgets
             .values()
-            .filter(|b| b.key.namespace == deployment.namespace && !b.ours && b.selects(&d.template_labels))
+            .filter(|b| b.key.namespace == workload.namespace && !b.ours && b.selects(&template_labels))
             .map(|b| b.key.name.clone())
             .collect();
         if !foreign.is_empty() {
@@ -850,46 +1096,32 @@ impl GateIndex {
         }
         let owners: Vec<(String, String)> = guards.iter().map(|(f, _)| (f.key.name.clone(), f.uid.clone())).collect();
         let min_attached = guards.iter().map(|(_, p)| p.min_attached).max().unwrap_or(1);
-        match super::pdb::desired(&d.object, &owners, min_attached) {
+        match super::pdb::desired(w, &owners, min_attached) {
             Some(want) => Budget::Want(Box::new(want)),
             None => Budget::None,
         }
     }
 
-    /// The operator's budgets in `namespace` that name `policy_uid` among their owners, or cover
-    /// one of `deployments`.
-    pub fn budgets_touching(&self, namespace: &str, policy_uid: &str, deployments: &[ObjectKey]) -> Vec<BudgetFacts> {
-        self.budgets
-            .values()
-            .filter(|b| b.key.namespace == namespace && b.ours)
-            .filter(|b| {
-                b.owners.iter().any(|o| o == policy_uid)
-                    || b.deployment.as_ref().is_some_and(|d| deployments.iter().any(|k| &k.name == d))
-            })
-            .cloned()
-            .collect()
-    }
-
-    /// The Deployments a policy guards (known or not).
-    pub fn guarded(&self, policy: &ObjectKey) -> Vec<ObjectKey> {
+    /// The workloads a policy guards (known or not).
+    pub fn guarded(&self, policy: &ObjectKey) -> Vec<WorkloadKey> {
         self.guards.get(policy).map(|s| s.iter().cloned().collect()).unwrap_or_default()
     }
 
-    /// The policies guarding a pod's Deployment.
+    /// The policies guarding a pod's workload.
     pub fn guarding(&self, pod_uid: &str) -> Vec<ObjectKey> {
         let Some(p) = self.pods.get(pod_uid) else { return vec![] };
-        self.deployment_key(&p.facts)
-            .and_then(|d| self.guarded_by.get(&d))
+        self.workload_of(&p.facts)
+            .and_then(|w| self.guarded_by.get(&w))
             .map(|s| s.iter().cloned().collect())
             .unwrap_or_default()
     }
 
-    /// The trackers some policy counts consumers through.
     /// The policies bound to a tracker.
     pub fn bound_policies(&self) -> BTreeSet<ObjectKey> {
         self.policies.iter().filter(|(_, e)| e.binding.is_ok()).map(|(k, _)| k.clone()).collect()
     }
 
+    /// The trackers some policy counts consumers through.
     pub fn sources(&self) -> BTreeSet<u64> {
         self.bound.keys().map(|(source, _)| *source).collect()
     }
@@ -900,13 +1132,32 @@ impl GateIndex {
     }
 }
 
+impl Feed {
+    pub fn of(kind: Kind) -> Self {
+        match kind {
+            Kind::Deployment => Self::Deployments,
+            Kind::StatefulSet => Self::StatefulSets,
+            Kind::Rollout => Self::Rollouts,
+        }
+    }
+}
+
+fn remove_from<K: std::hash::Hash + Eq>(map: &mut HashMap<K, BTreeSet<String>>, key: &K, uid: &str) {
+    if let Some(set) = map.get_mut(key) {
+        set.remove(uid);
+        if set.is_empty() {
+            map.remove(key);
+        }
+    }
+}
+
 /// The keys held that a complete list leaves out.
 fn unlisted<'a, K: Ord + Clone + 'a>(held: impl Iterator<Item = &'a K>, listed: impl Iterator<Item = &'a K>) -> Vec<K> {
     let listed: BTreeSet<&K> = listed.collect();
     held.filter(|k| !listed.contains(k)).cloned().collect()
 }
 
-/// A Deployment's disruption budget, decided.
+/// A workload's disruption budget, decided.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Budget {
     Want(Box<PodDisruptionBudget>),
@@ -933,10 +1184,14 @@ pub struct PodView {
     pub due_ms: Option<i64>,
 }
 
-/// One policy's pods and consumers.
+/// One policy's workloads, pods and consumers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyView {
-    pub deployments: Vec<Arc<Deployment>>,
+    /// How it picks its workloads.
+    pub selects: Selects,
+    pub workloads: Vec<Workload>,
+    /// Each workload's disruption budget, as the index decides it.
+    pub budgets: Vec<(WorkloadKey, Budget)>,
     pub pods: Vec<PodView>,
     pub tracking: Tracking,
     /// Consumers of the queue that belong to no pod of the policy.

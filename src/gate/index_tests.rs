@@ -6,12 +6,14 @@ use crate::{
     consumers::Change,
     crd::FailurePolicy,
     gate::{
-        GATE_CONDITION, GateReason,
+        GateReason,
         pods::{CLOCK_SKEW_MS, GateCondition},
     },
+    names::GATE_CONDITION,
 };
+use crate::workload::{Object, owner::PodOwner};
 use k8s_openapi::{
-    api::apps::v1::DeploymentSpec,
+    api::apps::v1::{Deployment, DeploymentSpec},
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
 };
 
@@ -73,12 +75,12 @@ fn policy(name: &str, selects: Selects, plan: Result<GatePlan, NoGate>) -> Polic
 }
 
 fn guarding_worker(name: &str) -> PolicyFacts {
-    policy(name, Selects::Name("worker".into()), Ok(plan(1)))
+    policy(name, Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(1)))
 }
 
-fn deployment(name: &str, labels: &[(&str, &str)]) -> DeploymentFacts {
+fn deployment(name: &str, labels: &[(&str, &str)]) -> Workload {
     let labels: BTreeMap<String, String> = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    DeploymentFacts::from_deployment(&Deployment {
+    Workload::new(Deployment {
         metadata: ObjectMeta {
             name: Some(name.into()),
             namespace: Some("shop".into()),
@@ -130,14 +132,32 @@ fn index(policies: Vec<(PolicyFacts, &str)>) -> GateIndex {
         let dead_letter_queue = Some(q(&format!("{queue}.dlq")));
         i.bind(&key, Ok(Binding { source: SOURCE, queue: q(queue), dead_letter_queue }));
     }
-    i.replace_deployments(vec![deployment("worker", &[("tier", "consumers")])]);
+    i.replace_workloads(Kind::Deployment, vec![deployment("worker", &[("tier", "consumers")])]);
+    crate::testing::sync_workload_feeds(&mut i);
     i.replace_budgets(vec![]);
     i.replace_pods(vec![], NOW);
     i
 }
 
+/// The pod condition writes of a flush.
 fn flush(i: &mut GateIndex, b: &Broker, now: i64) -> Vec<PodPatch> {
-    i.flush(b, now).patches
+    i.flush(b, now)
+        .writes
+        .into_iter()
+        .filter_map(|w| match w {
+            Write::Condition(p) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The workload writes of a flush (strategy fixes, budgets).
+fn workload_writes(i: &mut GateIndex, b: &Broker, now: i64) -> Vec<Write> {
+    i.flush(b, now).writes.into_iter().filter(|w| !matches!(w, Write::Condition(_))).collect()
+}
+
+fn worker() -> WorkloadKey {
+    WorkloadKey::new(Kind::Deployment, "shop", "worker")
 }
 
 #[test]
@@ -146,15 +166,18 @@ fn two_policies_and_a_worker_attached_to_one_queue_stay_closed_without_a_single_
     let mut b = Broker::default();
     b.attach("orders", "10.0.0.1", NOW - 30_000);
     i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
-    assert_eq!(
-        flush(&mut i, &b, NOW),
-        vec![],
-        "not attached to events: not Ready, and a new pod's absent condition already says so"
-    );
-    // Each policy's changes wake the pod again; the verdict stays the same, nothing is written.
+    let patches = flush(&mut i, &b, NOW);
+    let [first] = patches.as_slice() else { panic!("{patches:?}") };
+    assert!(!first.attached && first.first, "a new pod says at once why it waits");
+    assert_eq!(first.reason, GateReason::WaitingForConsumer);
+    assert_eq!(first.message, "waiting for events: no consumer from this pod yet", "it names the queue it misses");
+    assert_eq!(first.event(), None, "the first False is told by the condition, not by an Event");
+    // Each policy's changes wake the pod again; the verdict stays the same, nothing is written,
+    // before the watch shows the condition and after.
     for now in (NOW..NOW + 10_000).step_by(100) {
         i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
-        i.upsert_pod(pod("worker-1", "10.0.0.1"), now);
+        let seen = if now < NOW + 5_000 { pod("worker-1", "10.0.0.1") } else { written(pod("worker-1", "10.0.0.1"), first) };
+        i.upsert_pod(seen, now);
         assert_eq!(flush(&mut i, &b, now), vec![]);
     }
     let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
@@ -189,7 +212,8 @@ fn attached_to_both_queues_opens_once_and_one_leaving_closes_once() {
     let patches = flush(&mut i, &b, NOW + 3);
     let [close] = patches.as_slice() else { panic!("{patches:?}") };
     assert!(!close.attached);
-    assert_eq!(close.reason, GateReason::NoConsumer);
+    assert_eq!(close.reason, GateReason::WaitingForConsumer);
+    assert!(!close.first && close.event().is_some(), "a flip is told by an Event too");
     assert!(close.message.starts_with("waiting for events: no consumer from this pod"), "{}", close.message);
     assert_eq!(close.body()["status"]["conditions"][0]["type"], GATE_CONDITION);
     i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
@@ -202,7 +226,7 @@ fn only_enforce_policies_vote() {
     observe.mode = GateMode::Observe;
     let mut i = index(vec![
         (guarding_worker("orders"), "orders"),
-        (policy("events", Selects::Name("worker".into()), Ok(observe)), "events"),
+        (policy("events", Selects::Named(Kind::Deployment, "worker".into()), Ok(observe)), "events"),
     ]);
     let mut b = Broker::default();
     b.attach("orders", "10.0.0.1", NOW - 30_000);
@@ -221,7 +245,8 @@ fn a_fresh_consumer_waits_out_min_attached_seconds_on_a_timer() {
     let mut b = Broker::default();
     b.attach("orders", "10.0.0.1", NOW - 2_000);
     i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
-    assert_eq!(flush(&mut i, &b, NOW), vec![]);
+    let patches = flush(&mut i, &b, NOW);
+    assert_eq!(patches.iter().map(|p| (p.attached, p.reason)).collect::<Vec<_>>(), [(false, GateReason::AttachedTooRecently)]);
     assert_eq!(i.next_due(), Some(NOW + 3_000));
     i.tick(NOW + 2_999);
     assert_eq!(flush(&mut i, &b, NOW + 2_999), vec![]);
@@ -240,7 +265,8 @@ fn a_reused_ip_never_opens_a_new_pod_for_a_stale_consumer() {
     let mut fresh = pod("worker-2", "10.0.0.1");
     fresh.ip_since_ms = Some(NOW - 10_000);
     i.upsert_pod(fresh.clone(), NOW);
-    assert_eq!(flush(&mut i, &b, NOW), vec![], "the stale consumer is not the new pod's");
+    let patches = flush(&mut i, &b, NOW);
+    assert!(patches.len() == 1 && !patches[0].attached, "the stale consumer is not the new pod's: {patches:?}");
     let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
     assert_eq!((view.stale, view.unmatched), (1, 0));
     assert!(view.pods[0].attached_since.is_none());
@@ -266,7 +292,7 @@ fn a_pod_seen_without_start_time_dates_its_address_from_first_sight() {
     let mut p = pod("worker-1", "10.0.0.1");
     p.ip_since_ms = None;
     i.upsert_pod(p.clone(), NOW);
-    assert_eq!(flush(&mut i, &b, NOW), vec![]);
+    assert!(flush(&mut i, &b, NOW).iter().all(|p| !p.attached));
     i.upsert_pod(p, NOW + 5_000);
     let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW + 5_000).unwrap();
     assert_eq!(view.stale, 1, "first seen at NOW, not at the later update");
@@ -274,13 +300,14 @@ fn a_pod_seen_without_start_time_dates_its_address_from_first_sight() {
 
 #[test]
 fn pods_are_one_by_uid_and_terminal_pods_hold_no_address() {
-    let by_tier = Selects::Labels(
-        Selector::try_from(LabelSelector {
+    let by_tier = Selects::Labels {
+        selector: Selector::try_from(LabelSelector {
             match_labels: Some([("tier".to_owned(), "consumers".to_owned())].into()),
             ..Default::default()
         })
         .unwrap(),
-    );
+        kinds: vec![Kind::Deployment],
+    };
     // Two policies picking the same Deployment, by name and by label.
     let mut i = index(vec![(guarding_worker("orders"), "orders"), (policy("by-tier", by_tier, Ok(plan(1))), "orders")]);
     let mut b = Broker::default();
@@ -297,16 +324,17 @@ fn pods_are_one_by_uid_and_terminal_pods_hold_no_address() {
     assert_eq!(view.pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["worker-1"]);
     assert!(view.ambiguous_ips.is_empty());
     assert_eq!(i.guarding("uid-worker-1").len(), 2);
-    assert_eq!(i.guarded(&ObjectKey::new("shop", "by-tier")), [ObjectKey::new("shop", "worker")]);
+    assert_eq!(i.guarded(&ObjectKey::new("shop", "by-tier")), [worker()]);
 
     // A second live pod on the same address (hostNetwork): ambiguous, never guessed.
     let mut twin = pod("worker-2", "10.0.0.1");
     twin.uid = "uid-twin".into();
     i.upsert_pod(twin, NOW);
     let patches = flush(&mut i, &b, NOW);
-    let [closed] = patches.as_slice() else { panic!("{patches:?}") };
-    assert_eq!((closed.pod.as_str(), closed.attached), ("worker-1", false), "its consumer can no longer be told apart");
-    assert_eq!(closed.message, "waiting for orders: no consumer from this pod", "one queue, named once");
+    let closed = patches.iter().find(|p| p.pod == "worker-1").expect("worker-1 closes");
+    assert!(!closed.attached, "its consumer can no longer be told apart");
+    assert_eq!(closed.message, "waiting for orders: no consumer from this pod yet", "one queue, named once");
+    assert!(patches.iter().any(|p| p.pod == "worker-2" && p.first && !p.attached), "the twin's first word");
     let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
     assert_eq!(view.ambiguous_ips, ["10.0.0.1"]);
 }
@@ -322,16 +350,25 @@ fn failure_policy_closed_holds_what_it_cannot_see_and_open_lets_through_after_th
     opened.condition = Some(GateCondition { status: true, reason: "ConsumerAttached".into(), since_ms: NOW - 100_000 });
     i.upsert_pod(opened, NOW);
     i.upsert_pod(pod("worker-2", "10.0.0.2"), NOW);
-    assert_eq!(flush(&mut i, &b, NOW + 700_000), vec![], "nothing seen, nothing changed");
+    let patches = flush(&mut i, &b, NOW);
+    let [first] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!(
+        (first.pod.as_str(), first.attached, first.reason),
+        ("worker-2", false, GateReason::TrackingUnavailable),
+        "nothing seen, nothing changed: the open pod stays open, the new one says why it waits"
+    );
+    assert!(first.message.contains("401"), "{}", first.message);
+    i.upsert_pod(written(pod("worker-2", "10.0.0.2"), first), NOW);
 
     let mut open = plan(1);
     open.failure_policy = FailurePolicy::Open;
-    i.upsert_policy(policy("orders", Selects::Name("worker".into()), Ok(open)));
+    i.upsert_policy(policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(open)));
     let patches = flush(&mut i, &b, NOW + 700_000);
     let [p] = patches.as_slice() else { panic!("{patches:?}") };
     assert_eq!((p.pod.as_str(), p.reason), ("worker-2", GateReason::BrokerUnreachable));
-    assert_eq!(p.event().reason.as_str(), "GateFailedOpen");
-    assert!(p.event().warning);
+    let event = p.event().unwrap();
+    assert_eq!(event.reason.as_str(), "GateFailedOpen");
+    assert!(event.warning);
 }
 
 #[test]
@@ -348,7 +385,7 @@ fn unbound_and_invalid_policies_hold_and_unguarded_pods_open() {
 
     i.upsert_policy(policy(
         "orders",
-        Selects::Name("worker".into()),
+        Selects::Named(Kind::Deployment, "worker".into()),
         Err(NoGate::Invalid("spec.queue.expires: invalid".into())),
     ));
     assert_eq!(flush(&mut i, &b, NOW), vec![], "an invalid policy holds its pods as they are");
@@ -364,12 +401,16 @@ fn nothing_is_written_before_every_watch_has_synced() {
     let mut i = GateIndex::default();
     let b = Broker::default();
     i.replace_pods(vec![pod("worker-1", "10.0.0.1")], NOW);
-    i.replace_deployments(vec![deployment("worker", &[])]);
+    i.replace_workloads(Kind::Deployment, vec![deployment("worker", &[])]);
+    crate::testing::sync_workload_feeds(&mut i);
     i.replace_budgets(vec![]);
     assert_eq!(flush(&mut i, &b, NOW), vec![], "policies not listed yet: the pod only looks unguarded");
     i.replace_policies(vec![guarding_worker("orders")]);
     i.mark_all();
-    assert_eq!(flush(&mut i, &b, NOW), vec![], "now guarded, and not attached");
+    let patches = flush(&mut i, &b, NOW);
+    let [first] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!((first.attached, first.reason), (false, GateReason::WaitingForQueues), "guarded, its queue not bound yet");
+    assert!(first.message.contains("not reconciled yet"), "{}", first.message);
 }
 
 #[test]
@@ -381,8 +422,9 @@ fn deleting_pods_are_left_alone_and_a_failed_write_is_retried() {
     leaving.deleting = true;
     i.upsert_pod(leaving, NOW);
     i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
-    assert_eq!(flush(&mut i, &b, NOW).len(), 1);
-    i.write_failed("uid-worker-1", NOW);
+    let patches = flush(&mut i, &b, NOW);
+    assert_eq!(patches.len(), 1);
+    i.write_failed(&Write::Condition(patches[0].clone()), NOW);
     assert_eq!(flush(&mut i, &b, NOW + 10), vec![], "not before the retry delay");
     assert_eq!(i.next_due(), Some(NOW + RETRY_MS));
     i.tick(NOW + RETRY_MS);
@@ -411,14 +453,15 @@ fn policies_are_woken_by_their_pods_deployments_and_queues() {
         BTreeSet::from([ObjectKey::new("shop", "orders")]),
         "its dead-letter queue deleted behind its back"
     );
-    i.upsert_deployment(deployment("worker", &[("tier", "web")]));
+    i.upsert_workload(deployment("worker", &[("tier", "web")]));
     assert_eq!(i.flush(&b, NOW).wake, BTreeSet::from([ObjectKey::new("shop", "orders")]));
 }
 
 fn budget(name: &str, ours: bool, selects_app: &str) -> BudgetFacts {
     let mut labels = BTreeMap::new();
     if ours {
-        labels.insert(crate::gate::pdb::MANAGED_BY.0.to_owned(), crate::gate::pdb::MANAGED_BY.1.to_owned());
+        labels.insert(crate::names::MANAGED_BY.0.to_owned(), crate::names::MANAGED_BY.1.to_owned());
+        labels.insert("queueguard.io/deployment".to_owned(), selects_app.to_owned());
     }
     BudgetFacts::from_budget(&PodDisruptionBudget {
         metadata: ObjectMeta {
@@ -442,11 +485,11 @@ fn budget(name: &str, ours: bool, selects_app: &str) -> BudgetFacts {
 #[test]
 fn one_budget_per_deployment_with_the_strictest_min_attached_and_none_beside_anothers() {
     let mut i = index(vec![
-        (policy("orders", Selects::Name("worker".into()), Ok(plan(1))), "orders"),
-        (policy("events", Selects::Name("worker".into()), Ok(plan(2))), "events"),
+        (policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(1))), "orders"),
+        (policy("events", Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(2))), "events"),
     ]);
-    let worker = ObjectKey::new("shop", "worker");
-    let Budget::Want(want) = i.budget_for(&worker) else { panic!() };
+    let b = Broker::default();
+    let Budget::Want(want) = i.budget_for(&worker()) else { panic!() };
     assert_eq!(want.metadata.name.as_deref(), Some("worker-queueguard"));
     assert_eq!(
         want.spec.as_ref().unwrap().min_available,
@@ -454,27 +497,111 @@ fn one_budget_per_deployment_with_the_strictest_min_attached_and_none_beside_ano
         "the strictest minAttached"
     );
     assert_eq!(want.metadata.owner_references.as_ref().unwrap().len(), 2);
+    // Two policies, one budget applied once; not again until the watch shows it.
+    let writes = workload_writes(&mut i, &b, NOW);
+    assert!(matches!(writes.as_slice(), [Write::ApplyBudget { budget, .. }] if **budget == *want), "{writes:?}");
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    assert_eq!(workload_writes(&mut i, &b, NOW), vec![]);
+    i.upsert_budget(BudgetFacts::from_budget(&want));
+    assert_eq!(workload_writes(&mut i, &b, NOW), vec![], "seen back as applied");
 
-    // Someone else's budget over the same pods: two budgets would make every eviction fail.
+    // Someone else's budget over the same pods: two budgets would make every eviction fail, so
+    // the operator's goes.
     i.upsert_budget(budget("team-pdb", false, "worker"));
-    assert_eq!(i.budget_for(&worker), Budget::Foreign(vec!["team-pdb".into()]));
+    assert_eq!(i.budget_for(&worker()), Budget::Foreign(vec!["team-pdb".into()]));
+    let writes = workload_writes(&mut i, &b, NOW);
+    assert!(
+        matches!(writes.as_slice(), [Write::DeleteBudget { budget, .. }] if budget.name == "worker-queueguard"),
+        "{writes:?}"
+    );
+    i.remove_budget(&ObjectKey::new("shop", "worker-queueguard"));
     i.remove_budget(&ObjectKey::new("shop", "team-pdb"));
     i.upsert_budget(budget("unrelated", false, "web"));
-    assert!(matches!(i.budget_for(&worker), Budget::Want(_)));
-
-    // The operator's own budget from before is found as one to bring in line.
-    i.upsert_budget(budget("orders-worker", true, "worker"));
-    let touching = i.budgets_touching("shop", "uid-orders", std::slice::from_ref(&worker));
-    assert_eq!(touching.iter().map(|b| b.key.name.as_str()).collect::<Vec<_>>(), ["orders-worker"]);
+    assert!(matches!(i.budget_for(&worker()), Budget::Want(_)));
 
     // A deleting policy no longer owns it; without any, there is none.
-    let mut leaving = policy("events", Selects::Name("worker".into()), Ok(plan(2)));
+    let mut leaving = policy("events", Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(2)));
     leaving.deleting = true;
     i.upsert_policy(leaving);
-    let Budget::Want(want) = i.budget_for(&worker) else { panic!() };
+    let Budget::Want(want) = i.budget_for(&worker()) else { panic!() };
     assert_eq!(want.metadata.owner_references.as_ref().unwrap().len(), 1);
     let mut no_pdb = plan(1);
     no_pdb.pod_disruption_budget = false;
-    i.upsert_policy(policy("orders", Selects::Name("worker".into()), Ok(no_pdb)));
-    assert_eq!(i.budget_for(&worker), Budget::None);
+    i.upsert_policy(policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(no_pdb)));
+    assert_eq!(i.budget_for(&worker()), Budget::None);
 }
+
+#[test]
+fn two_policies_fix_a_workloads_strategy_once_and_a_failed_write_is_retried() {
+    let mut i = index(vec![
+        (policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(1))), "orders"),
+        (policy("events", Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(3))), "events"),
+    ]);
+    let b = Broker::default();
+    // The fixture's worker: 3 replicas, default strategy (maxUnavailable 25% = 0): safe for
+    // minAttached 3 only with surge, which the default gives. Recreate is not.
+    let mut recreate = deployment("worker", &[("tier", "consumers")]);
+    let Object::Deployment(d) = Arc::make_mut(&mut recreate.object) else { unreachable!() };
+    d.spec.as_mut().unwrap().strategy =
+        Some(k8s_openapi::api::apps::v1::DeploymentStrategy { type_: Some("Recreate".into()), rolling_update: None });
+    i.upsert_workload(recreate.clone());
+    let writes = workload_writes(&mut i, &b, NOW);
+    let fixes: Vec<&StrategyFix> = writes
+        .iter()
+        .filter_map(|w| match w {
+            Write::Strategy(f) => Some(f),
+            _ => None,
+        })
+        .collect();
+    let [fix] = fixes.as_slice() else { panic!("{writes:?}") };
+    assert_eq!(fix.policies.len(), 2, "one write for both policies");
+    assert_eq!(fix.body["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0);
+    // Other changes wake the workload; nothing is sent twice while the watch lags.
+    i.upsert_workload(recreate.clone());
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    assert!(workload_writes(&mut i, &b, NOW).iter().all(|w| !matches!(w, Write::Strategy(_))));
+    // The write failed: tried again after the retry delay, and only then.
+    i.write_failed(&Write::Strategy((*fix).clone()), NOW);
+    assert!(workload_writes(&mut i, &b, NOW + 10).iter().all(|w| !matches!(w, Write::Strategy(_))));
+    i.tick(NOW + RETRY_MS);
+    let again = workload_writes(&mut i, &b, NOW + RETRY_MS);
+    assert!(again.iter().any(|w| matches!(w, Write::Strategy(_))), "{again:?}");
+    // Observe mode, or manageStrategy off: reported only, never written.
+    let mut observe = plan(3);
+    observe.mode = GateMode::Observe;
+    i.upsert_policy(policy("events", Selects::Named(Kind::Deployment, "worker".into()), Ok(observe)));
+    let mut hands_off = plan(1);
+    hands_off.manage_strategy = false;
+    i.upsert_policy(policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(hands_off)));
+    i.upsert_workload(recreate);
+    assert!(workload_writes(&mut i, &b, NOW + 2 * RETRY_MS).iter().all(|w| !matches!(w, Write::Strategy(_))));
+}
+
+#[test]
+fn pods_find_their_statefulset_and_their_rollout_through_owner_references() {
+    let canary = WorkloadKey::new(Kind::Rollout, "shop", "canary");
+    let mut i = index(vec![
+        (policy("shards", Selects::Named(Kind::StatefulSet, "shard".into()), Ok(plan(1))), "shards"),
+        (policy("canaries", Selects::Named(Kind::Rollout, "canary".into()), Ok(plan(1))), "canaries"),
+    ]);
+    let mut b = Broker::default();
+    b.attach("shards", "10.0.0.1", NOW - 30_000);
+    let mut sts_pod = pod("shard-0", "10.0.0.1");
+    sts_pod.owner = Some(PodOwner::StatefulSet("shard".into()));
+    i.upsert_pod(sts_pod, NOW);
+    let patches = flush(&mut i, &b, NOW);
+    assert!(matches!(patches.as_slice(), [p] if p.pod == "shard-0" && p.attached), "{patches:?}");
+    assert_eq!(i.guarding("uid-shard-0"), [ObjectKey::new("shop", "shards")]);
+
+    // A Rollout's pod, seen before its ReplicaSet: unguarded until the ReplicaSet names its owner.
+    let mut rollout_pod = pod("canary-6f7-x", "10.0.0.2");
+    rollout_pod.owner = Some(PodOwner::ReplicaSet("canary-6f7".into()));
+    i.upsert_pod(rollout_pod, NOW);
+    let _ = flush(&mut i, &b, NOW);
+    assert!(i.guarding("uid-canary-6f7-x").is_empty());
+    i.upsert_replica_set(ReplicaSetFacts { key: ObjectKey::new("shop", "canary-6f7"), owner: Some(canary.clone()) });
+    assert_eq!(i.guarding("uid-canary-6f7-x"), [ObjectKey::new("shop", "canaries")]);
+    let patches = flush(&mut i, &b, NOW);
+    assert!(matches!(patches.as_slice(), [p] if p.pod == "canary-6f7-x" && p.first && !p.attached), "{patches:?}");
+}
+

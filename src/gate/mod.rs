@@ -1,59 +1,45 @@
 //! The rollout gate, pure: which pods a policy guards, each pod's one verdict over every policy
-//! guarding it, and each policy's report for its status. The controller feeds the index and
-//! performs what it decides.
+//! guarding it, the writes the gate wants, and each policy's report for its status. The
+//! controller feeds the index and performs what it decides.
 //!
 //! A pod carrying the readiness gate `queueguard.io/consumer-attached` stays not-Ready until the
 //! operator sets that condition True, which it does only once the pod's own consumer has been
 //! attached for `minAttachedSeconds` on the queue of every `Enforce` policy guarding it. The
-//! Deployment controller counts only Ready pods as available, so with a safe strategy the last
-//! old consumer cannot go before a new one attached.
+//! Deployment, StatefulSet and Argo Rollouts controllers count only Ready pods as available, so
+//! with a safe strategy the last old consumer cannot go before a new one attached.
 //!
 //! ```text
-//! watches (QueuePolicy, Deployment, Pod, PDB) ─┐
-//! consumer trackers (attach, detach, health) ──┼─▶ index::GateIndex ─flush─▶ PodPatch ─▶ the one pod writer
-//!                                              │     (verdict per pod)    └▶ policies to wake ─▶ reconcile
-//! reconcile (binds a policy to its queue) ─────┘                                ├─ index.policy_view ─▶ report ─▶ status
-//!                                                                               └─ index.budget_for ─▶ PDB
+//! watches (QueuePolicy, Deployment, StatefulSet, ─┐
+//!   Rollout, ReplicaSet, Pod, PDB)                │
+//! consumer trackers (attach, detach, health) ─────┼─▶ index::GateIndex ─flush─▶ Write ─▶ the one writer
+//! reconcile (binds a policy to its queue) ────────┘     (pod verdicts,          (pod conditions,
+//!                                                        strategy, budgets)      strategies, budgets)
+//!                                                          └─▶ policies to wake ─▶ reconcile ─▶ index.policy_view ─▶ report ─▶ status
 //! ```
 
 pub mod guards;
 pub mod index;
 pub mod pdb;
 pub mod pods;
-pub mod strategy;
 pub mod verdict;
 
 use crate::{
     consumers::Tracking,
     crd::{
-        ConsumersObservation, ConsumersSpec, FailurePolicy, GateMode, MatchBy, PodAttachment, PodGate,
+        BudgetOwner, ConsumersObservation, DisruptionBudgetObservation, GateMode, MatchBy, PodAttachment, PodGate,
         RolloutObservation, RolloutPhase, WaitingPod,
     },
     events::{EventReason, EventSpec},
+    names::GATE_CONDITION,
+    plan::GatePlan,
     status::{Check, Reason, Truth},
+    workload::Judgement,
 };
-use index::{ObjectKey, PolicyView};
-use k8s_openapi::{api::apps::v1::Deployment, apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+use index::{Budget, ObjectKey, PolicyView};
+use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use serde_json::{Value, json};
 use std::time::Duration;
 pub use verdict::GateReason;
-
-/// The readiness gate (and pod condition type) the operator owns.
-pub const GATE_CONDITION: &str = "queueguard.io/consumer-attached";
-
-/// The gate settings of one policy, resolved.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GatePlan {
-    pub mode: GateMode,
-    pub failure_policy: FailurePolicy,
-    pub attach_timeout: Duration,
-    pub manage_strategy: bool,
-    pub pod_disruption_budget: bool,
-    pub min_attached: i32,
-    pub min_attached_for: Duration,
-    pub match_by: MatchBy,
-    pub consumers: ConsumersSpec,
-}
 
 /// One pod condition to write: a flip of the pod's combined verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +48,8 @@ pub struct PodPatch {
     pub pod: String,
     pub uid: String,
     pub attached: bool,
+    /// The pod's first condition (it had none): it says why the pod waits, with no Event.
+    pub first: bool,
     pub reason: GateReason,
     pub message: String,
     /// lastTransitionTime: when the verdict flipped.
@@ -88,26 +76,28 @@ impl PodPatch {
         })
     }
 
-    /// The Event that tells of this flip, on the pod.
-    pub fn event(&self) -> EventSpec {
+    /// The Event that tells of this flip, on the pod; none for a new pod's first False, which
+    /// the condition itself tells.
+    pub fn event(&self) -> Option<EventSpec> {
         let (warning, reason) = match self.reason {
+            _ if !self.attached && self.first => return None,
             _ if !self.attached => (false, EventReason::GateClosed),
             r if r.failed_open() => (true, EventReason::GateFailedOpen),
             _ => (false, EventReason::GateOpened),
         };
-        EventSpec { warning, reason, action: "GatePod", note: self.message.clone() }
+        Some(EventSpec { warning, reason, action: "GatePod", note: self.message.clone() })
     }
 }
 
-/// What the gate reports for one policy, and what it asks of the policy's Deployments.
+/// What the gate reports for one policy. The writes it calls for (strategy fixes, budgets) are
+/// the index's, made by the one writer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Report {
     pub consumers_attached: Check,
     pub rollout_safe: Check,
     pub consumers: ConsumersObservation,
     pub rollout: RolloutObservation,
-    /// Strategic merge patches for Deployments, by name.
-    pub strategy_patches: Vec<(String, Value)>,
+    pub budgets: Vec<DisruptionBudgetObservation>,
     pub events: Vec<EventSpec>,
     /// When a look is due because time alone changes what status says.
     pub recheck_after: Option<Duration>,
@@ -156,51 +146,50 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
         });
     }
     let attached = view.pods.iter().filter(|p| p.counts).count() as i32;
-    let expected: i32 = view.deployments.iter().map(|d| strategy::replicas(d)).sum();
+    let expected: i32 = view.workloads.iter().map(|w| w.replicas()).sum();
     let consumers_attached = consumers_check(plan, view, attached, expected);
 
-    let mut strategy_patches = Vec::new();
+    let mut fixing = Vec::new();
     let mut unsafe_reasons = Vec::new();
-    for d in &view.deployments {
-        let name = d.metadata.name.clone().unwrap_or_default();
-        match strategy::judge(d, plan.min_attached) {
-            strategy::Verdict::Safe { .. } => {}
-            strategy::Verdict::Unsafe { why, patch } if plan.manage_strategy && enforce => {
-                events.push(EventSpec {
-                    warning: false,
-                    reason: EventReason::StrategyPatched,
-                    action: "GuardRollout",
-                    note: format!("Deployment '{name}': {why}; patched to RollingUpdate with maxUnavailable 0"),
-                });
-                strategy_patches.push((name, patch));
+    let mut notes = Vec::new();
+    for w in &view.workloads {
+        let who = format!("{} '{}'", w.key.kind.as_str(), w.key.name);
+        match w.judge(plan.min_attached) {
+            Judgement::Safe { note } => notes.extend(note.map(|n| format!("{who}: {n}"))),
+            Judgement::Fixable { why, done, .. } if plan.manage_strategy && enforce => {
+                fixing.push(format!("{who}: {why}; {done}"))
             }
-            strategy::Verdict::Unsafe { why, .. } => unsafe_reasons.push(format!("Deployment '{name}': {why}")),
-            strategy::Verdict::Invalid(e) => unsafe_reasons.push(format!("Deployment '{name}': {e}")),
+            Judgement::Fixable { why, .. } => unsafe_reasons
+                .push(format!("{who}: {why} (set gate.manageStrategy: true to let queueguard fix it)")),
+            Judgement::Unsafe { why, remedy } => unsafe_reasons.push(format!("{who}: {why}; {remedy}")),
+            Judgement::Invalid(e) => unsafe_reasons.push(format!("{who}: {e}")),
         }
     }
-    let rollout_safe = if view.deployments.is_empty() {
-        Check::failed(Reason::DeploymentNotFound, describe_missing(&plan.consumers))
+    let notes = if notes.is_empty() { String::new() } else { format!("; {}", notes.join("; ")) };
+    let rollout_safe = if view.workloads.is_empty() {
+        Check::failed(Reason::WorkloadNotFound, view.selects.describe_missing())
     } else if !unsafe_reasons.is_empty() {
-        let fix = if plan.manage_strategy { "" } else { " (set gate.manageStrategy: true to let queueguard fix it)" };
-        Check::failed(Reason::UnsafeRolloutStrategy, format!("{}{fix}", unsafe_reasons.join("; ")))
+        Check::failed(Reason::UnsafeRolloutStrategy, unsafe_reasons.join("; "))
     } else if !without_gate.is_empty() {
         Check::failed(
             Reason::GateNotInstalled,
             format!(
-                "pods {} have no readinessGates entry {GATE_CONDITION}; add it to the Deployment's pod template (or enable the webhook and label the namespace {}), else rollouts are not gated",
+                "pods {} have no readinessGates entry {GATE_CONDITION}; add it to the workload's pod template (or enable the webhook and label the namespace {}), else rollouts are not gated",
                 without_gate.join(", "),
-                crate::webhook::NAMESPACE_LABEL_TEXT,
+                crate::names::NAMESPACE_LABEL_TEXT,
             ),
         )
-    } else if !strategy_patches.is_empty() {
+    } else if !fixing.is_empty() {
         Check::ok(
             Reason::RolloutGuarded,
-            "rollout strategy patched to maxUnavailable 0; every consumer pod carries the readiness gate",
+            format!("{}; every consumer pod carries the readiness gate{notes}", fixing.join("; ")),
         )
     } else {
         Check::ok(
             Reason::RolloutGuarded,
-            "the rollout strategy keeps minAttached consumers and every consumer pod carries the readiness gate",
+            format!(
+                "the rollout strategy keeps minAttached consumers and every consumer pod carries the readiness gate{notes}"
+            ),
         )
     };
 
@@ -209,7 +198,7 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
         RolloutPhase::Stalled
     } else if !waiting.is_empty() {
         RolloutPhase::WaitingForAttach
-    } else if view.deployments.iter().any(|d| rolling_out(d)) {
+    } else if view.workloads.iter().any(|w| w.rolling_out()) {
         RolloutPhase::Progressing
     } else {
         RolloutPhase::Idle
@@ -239,7 +228,7 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
             pods: attachments,
         },
         rollout: RolloutObservation { phase, waiting_pods: waiting },
-        strategy_patches,
+        budgets: budget_observations(view),
         events,
         recheck_after: due.map(|at| Duration::from_millis((at - now) as u64)),
     }
@@ -281,22 +270,32 @@ fn consumers_check(plan: &GatePlan, view: &PolicyView, attached: i32, expected: 
     }
 }
 
-fn describe_missing(c: &ConsumersSpec) -> String {
-    match (&c.deployment, &c.selector) {
-        (Some(name), _) => format!("Deployment '{name}' not found"),
-        _ => "no Deployment matches consumers.selector".into(),
+/// What status says of each guarded workload's disruption budget.
+fn budget_observations(view: &PolicyView) -> Vec<DisruptionBudgetObservation> {
+    let mut seen = Vec::new();
+    for (workload, budget) in &view.budgets {
+        let observe = |name: String, owner, min_available| DisruptionBudgetObservation {
+            kind: workload.kind,
+            workload: workload.name.clone(),
+            name,
+            owner,
+            min_available,
+        };
+        match budget {
+            Budget::Want(want) => {
+                let min = want.spec.as_ref().and_then(|s| s.min_available.as_ref()).and_then(|m| match m {
+                    k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n) => Some(*n),
+                    _ => None,
+                });
+                seen.push(observe(want.metadata.name.clone().unwrap_or_default(), BudgetOwner::Managed, min));
+            }
+            Budget::Foreign(names) => {
+                seen.extend(names.iter().map(|n| observe(n.clone(), BudgetOwner::Foreign, None)))
+            }
+            Budget::None => {}
+        }
     }
-}
-
-/// A Deployment whose newest pods have not all replaced the old ones yet.
-fn rolling_out(d: &Deployment) -> bool {
-    let want = strategy::replicas(d);
-    let status = d.status.as_ref();
-    let generation_seen =
-        d.metadata.generation.is_none_or(|g| status.and_then(|s| s.observed_generation).is_some_and(|o| o >= g));
-    let updated = status.and_then(|s| s.updated_replicas).unwrap_or(0);
-    let total = status.and_then(|s| s.replicas).unwrap_or(0);
-    !generation_seen || updated < want || total > want
+    seen
 }
 
 /// A status time, in whole seconds as the API stores it.

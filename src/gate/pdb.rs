@@ -1,10 +1,13 @@
 //! The PodDisruptionBudget that keeps node drains (which are not rollouts) from taking the
-//! consumers below minAttached: one per Deployment, however many policies guard it.
+//! consumers below minAttached: one per workload, however many policies guard it.
 
-use super::index::BUDGET_DEPLOYMENT;
-use crate::crd::API_VERSION;
+use crate::{
+    crd::API_VERSION,
+    names::MANAGED_BY,
+    workload::{Kind, Workload},
+};
 use k8s_openapi::{
-    api::{apps::v1::Deployment, policy::v1::PodDisruptionBudget},
+    api::policy::v1::PodDisruptionBudget,
     apimachinery::pkg::{
         apis::meta::v1::{ObjectMeta, OwnerReference},
         util::intstr::IntOrString,
@@ -12,24 +15,25 @@ use k8s_openapi::{
 };
 use std::collections::BTreeMap;
 
-/// Label on every PDB the operator keeps.
-pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "queueguard");
-
-/// The PDB name for a Deployment (a DNS subdomain, at most 253 chars).
-pub fn name(deployment: &str) -> String {
-    let mut name = format!("{deployment}-queueguard");
-    if name.len() > 253 {
-        name = format!("{}-queueguard", &deployment[..242]);
-    }
-    name
+/// The PDB name for a workload (a DNS subdomain, at most 253 chars): `<name>-queueguard` for a
+/// Deployment (as before there were other kinds), `<name>-<kind>-queueguard` for the others, so
+/// a Deployment and a StatefulSet of one name do not share one.
+pub fn name(kind: Kind, workload: &str) -> String {
+    let suffix = match kind {
+        Kind::Deployment => "-queueguard".to_owned(),
+        other => format!("-{}-queueguard", other.as_str().to_ascii_lowercase()),
+    };
+    let keep = workload.len().min(253 - suffix.len());
+    format!("{}{suffix}", &workload[..keep])
 }
 
-/// `minAvailable: min_attached` over the Deployment's pods, owned by every policy guarding it
+/// `minAvailable: min_attached` over the workload's pods, owned by every policy guarding it
 /// (`owners`: name and uid), so the garbage collector removes it only once all of them are gone.
-pub fn desired(deployment: &Deployment, owners: &[(String, String)], min_attached: i32) -> Option<PodDisruptionBudget> {
-    let selector = deployment.spec.as_ref()?.selector.clone();
-    let min_available = drainable(min_attached, deployment.spec.as_ref()?.replicas.unwrap_or(1));
-    let deployment_name = deployment.metadata.name.as_deref()?;
+pub fn desired(workload: &Workload, owners: &[(String, String)], min_attached: i32) -> Option<PodDisruptionBudget> {
+    let selector = workload.selector()?;
+    let min_available = drainable(min_attached, workload.replicas());
+    let kind = workload.key.kind;
+    let workload_name = workload.key.name.as_str();
     let mut owners: Vec<OwnerReference> = owners
         .iter()
         .map(|(name, uid)| OwnerReference {
@@ -43,11 +47,11 @@ pub fn desired(deployment: &Deployment, owners: &[(String, String)], min_attache
     owners.sort_by(|a, b| a.name.cmp(&b.name));
     Some(PodDisruptionBudget {
         metadata: ObjectMeta {
-            name: Some(name(deployment_name)),
-            namespace: deployment.metadata.namespace.clone(),
+            name: Some(name(kind, workload_name)),
+            namespace: Some(workload.key.namespace.clone()),
             labels: Some(BTreeMap::from([
                 (MANAGED_BY.0.to_owned(), MANAGED_BY.1.to_owned()),
-                (BUDGET_DEPLOYMENT.to_owned(), deployment_name.to_owned()),
+                (kind.budget_label().to_owned(), workload_name.to_owned()),
             ])),
             owner_references: Some(owners),
             ..Default::default()
@@ -89,7 +93,10 @@ pub fn same(existing: &PodDisruptionBudget, want: &PodDisruptionBudget) -> bool 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::{api::apps::v1::DeploymentSpec, apimachinery::pkg::apis::meta::v1::LabelSelector};
+    use k8s_openapi::{
+        api::apps::v1::{Deployment, DeploymentSpec},
+        apimachinery::pkg::apis::meta::v1::LabelSelector,
+    };
 
     fn worker() -> Deployment {
         let selector = LabelSelector {
@@ -108,11 +115,11 @@ mod tests {
         let owners = [("orders".to_owned(), "u1".to_owned()), ("events".to_owned(), "u2".to_owned())];
         let mut worker = worker();
         worker.spec.as_mut().unwrap().replicas = Some(3);
-        let pdb = desired(&worker, &owners, 2).unwrap();
+        let pdb = desired(&Workload::new(worker.clone()), &owners, 2).unwrap();
         assert_eq!(pdb.metadata.name.as_deref(), Some("worker-queueguard"));
         assert_eq!(pdb.metadata.namespace.as_deref(), Some("shop"));
         let labels = pdb.metadata.labels.as_ref().unwrap();
-        assert_eq!((labels[MANAGED_BY.0].as_str(), labels[BUDGET_DEPLOYMENT].as_str()), (MANAGED_BY.1, "worker"));
+        assert_eq!((labels[MANAGED_BY.0].as_str(), labels["queueguard.io/deployment"].as_str()), (MANAGED_BY.1, "worker"));
         let spec = pdb.spec.as_ref().unwrap();
         assert_eq!(spec.min_available, Some(IntOrString::Int(2)));
         assert_eq!(spec.selector, worker.spec.as_ref().map(|s| s.selector.clone()));
@@ -120,9 +127,9 @@ mod tests {
         assert_eq!(refs.iter().map(|o| o.name.as_str()).collect::<Vec<_>>(), ["events", "orders"]);
         assert!(refs.iter().all(|o| o.kind == "QueuePolicy" && o.controller.is_none()), "no single controller");
         assert!(same(&pdb, &pdb));
-        let fewer = desired(&worker, &owners[..1], 2).unwrap();
+        let fewer = desired(&Workload::new(worker.clone()), &owners[..1], 2).unwrap();
         assert!(!same(&pdb, &fewer));
-        assert!(!same(&pdb, &desired(&worker, &owners, 1).unwrap()));
+        assert!(!same(&pdb, &desired(&Workload::new(worker), &owners, 1).unwrap()));
     }
 
     #[test]
@@ -133,13 +140,16 @@ mod tests {
         assert_eq!((drainable(1, 1), drainable(1, 0)), (0, 0));
         let mut one = worker();
         one.spec.as_mut().unwrap().replicas = Some(1);
-        let pdb = desired(&one, &[("orders".into(), "u1".into())], 1).unwrap();
+        let pdb = desired(&Workload::new(one), &[("orders".into(), "u1".into())], 1).unwrap();
         assert_eq!(pdb.spec.unwrap().min_available, Some(IntOrString::Int(0)));
     }
 
     #[test]
     fn names_fit_a_dns_subdomain() {
-        assert_eq!(name(&"d".repeat(253)).len(), 253);
-        assert_eq!(name("a"), "a-queueguard");
+        assert_eq!(name(Kind::Deployment, &"d".repeat(253)).len(), 253);
+        assert_eq!(name(Kind::StatefulSet, &"d".repeat(253)).len(), 253);
+        assert_eq!(name(Kind::Deployment, "a"), "a-queueguard");
+        assert_eq!(name(Kind::StatefulSet, "a"), "a-statefulset-queueguard");
+        assert_eq!(name(Kind::Rollout, "a"), "a-rollout-queueguard");
     }
 }

@@ -1,7 +1,6 @@
 //! Pods and their consumers: what the gate needs to know of a pod, and which consumer is whose.
 
-use super::{GATE_CONDITION, guards::deployment_of};
-use crate::{consumers::Consumer, crd::MatchBy, status::Truth};
+use crate::{consumers::Consumer, crd::MatchBy, names::GATE_CONDITION, status::Truth, workload::owner::{PodOwner, pod_owner}};
 use k8s_openapi::{api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::Time};
 
 /// Broker and Kubernetes clocks differ; a consumer whose connection opened up to this long
@@ -23,8 +22,8 @@ pub struct PodFacts {
     pub namespace: String,
     pub name: String,
     pub uid: String,
-    /// The Deployment it belongs to (through its ReplicaSet), if any.
-    pub deployment: Option<String>,
+    /// Its controller (a ReplicaSet or a StatefulSet), which leads to its workload.
+    pub owner: Option<PodOwner>,
     pub ips: Vec<String>,
     /// When the pod got its address: its startTime, else when the operator first saw an IP on it
     /// (set by the index). A consumer connected earlier belongs to a former holder of the IP.
@@ -66,7 +65,7 @@ impl PodFacts {
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
             name: pod.metadata.name.clone().unwrap_or_default(),
             uid: pod.metadata.uid.clone().unwrap_or_default(),
-            deployment: deployment_of(pod),
+            owner: pod_owner(&pod.metadata),
             ip_since_ms: status.and_then(|s| s.start_time.as_ref()).map(|t| t.0.as_millisecond()),
             ips,
             has_gate: pod
@@ -213,8 +212,10 @@ mod tests {
                 uid: Some("u1".into()),
                 labels: Some([("pod-template-hash".to_owned(), "abc".to_owned())].into()),
                 owner_references: Some(vec![OwnerReference {
+                    api_version: "apps/v1".into(),
                     kind: "ReplicaSet".into(),
                     name: "worker-abc".into(),
+                    controller: Some(true),
                     ..Default::default()
                 }]),
                 ..Default::default()
@@ -246,7 +247,7 @@ mod tests {
             }),
         };
         let f = PodFacts::from_pod(&p);
-        assert_eq!((f.namespace.as_str(), f.deployment.as_deref()), ("shop", Some("worker")));
+        assert_eq!((f.namespace.as_str(), f.owner.clone()), ("shop", Some(PodOwner::ReplicaSet("worker-abc".into()))));
         assert_eq!(f.ips, ["10.1.1.1", "fd00::1"]);
         assert_eq!(f.ip_since_ms, Some(4_000));
         assert!(f.has_gate && !f.deleting && !f.terminal && !f.is_open());
@@ -257,6 +258,6 @@ mod tests {
         assert!(PodFacts::from_pod(&failed).terminal);
         let bare = PodFacts::from_pod(&Pod::default());
         assert!(!bare.has_gate && bare.ips.is_empty() && bare.containers_ready_since_ms.is_none());
-        assert_eq!(bare.deployment, None);
+        assert_eq!(bare.owner, None);
     }
 }

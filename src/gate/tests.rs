@@ -2,7 +2,7 @@
 //! index, pod condition patches and the policy's report out. No cluster, no broker.
 
 use super::{
-    index::{Binding, Consumers, DeploymentFacts, GateIndex, ObjectKey, PolicyFacts},
+    index::{Binding, Consumers, GateIndex, ObjectKey, PolicyFacts, Write},
     pods::{GateCondition, PodFacts},
     *,
 };
@@ -10,8 +10,10 @@ use crate::{
     consumers::{Consumer, QueueKey},
     crd::{FailurePolicy, GateMode, PodGate, RolloutPhase, TrackingMode},
     gate::guards::Selects,
+    plan::GatePlan,
+    workload::{Kind, Workload},
 };
-use k8s_openapi::api::apps::v1::{DeploymentSpec, DeploymentStatus, DeploymentStrategy};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus, DeploymentStrategy};
 
 const NOW: i64 = 1_000_000;
 const MIN_MS: i64 = 5_000;
@@ -83,6 +85,7 @@ impl Consumers for Seen {
 
 struct Outcome {
     patches: Vec<PodPatch>,
+    writes: Vec<Write>,
     report: Report,
 }
 
@@ -95,7 +98,7 @@ fn run(
 ) -> Outcome {
     let key = ObjectKey::new("shop", "orders");
     let mut index = GateIndex::default();
-    let selects = Selects::Name("worker".into());
+    let selects = Selects::Named(Kind::Deployment, "worker".into());
     index.replace_policies(vec![PolicyFacts {
         key: key.clone(),
         uid: "u".into(),
@@ -104,13 +107,26 @@ fn run(
         deleting: false,
     }]);
     index.bind(&key, Ok(Binding { source: 1, queue: queue(), dead_letter_queue: None }));
-    index.replace_deployments(deployments.iter().map(DeploymentFacts::from_deployment).collect());
+    index.replace_workloads(Kind::Deployment, deployments.iter().cloned().map(Workload::new).collect());
+    crate::testing::sync_workload_feeds(&mut index);
     index.replace_budgets(vec![]);
     index.replace_pods(pods.to_vec(), NOW);
     let seen = Seen(consumers.to_vec(), tracking);
-    let patches = index.flush(&seen, NOW).patches;
+    let (patches, writes) = index.flush(&seen, NOW).writes.into_iter().partition::<Vec<_>, _>(|w| matches!(w, Write::Condition(_)));
+    let patches = patches
+        .into_iter()
+        .filter_map(|w| match w {
+            Write::Condition(p) => Some(p),
+            _ => None,
+        })
+        .collect();
     let view = index.policy_view(&key, &seen, NOW).unwrap();
-    Outcome { patches, report: report(plan, &view, None, NOW) }
+    Outcome { patches, writes, report: report(plan, &view, None, NOW) }
+}
+
+/// No flip: at most each new pod's first word, False.
+fn no_flip(d: &Outcome) -> bool {
+    d.patches.iter().all(|p| p.first && !p.attached)
 }
 
 fn patch_of<'a>(d: &'a Outcome, pod: &str) -> Option<&'a PodPatch> {
@@ -125,7 +141,7 @@ fn a_consumer_attached_long_enough_opens_the_gate() {
     assert_eq!(p.reason, GateReason::ConsumerAttached);
     assert_eq!(p.transition_ms, NOW);
     assert!(p.message.contains("ctag-1") && p.message.contains("10.0.0.1"), "{}", p.message);
-    assert_eq!(p.event().reason.as_str(), "GateOpened");
+    assert_eq!(p.event().unwrap().reason.as_str(), "GateOpened");
     let r = &d.report;
     assert_eq!((r.consumers.attached, r.consumers.expected), (1, 1));
     assert_eq!(r.consumers_attached.reason, Reason::Attached);
@@ -136,7 +152,7 @@ fn a_consumer_attached_long_enough_opens_the_gate() {
 #[test]
 fn a_fresh_consumer_waits_out_min_attached_seconds_and_a_recheck_is_scheduled() {
     let d = run(&plan(), &[deployment(1)], &[pod(1)], &[consumer_from(1, NOW - 2_000)], Tracking::Events);
-    assert!(d.patches.is_empty(), "a new pod's absent condition already holds it back");
+    assert!(no_flip(&d), "a new pod is held back, and says why: {:?}", d.patches);
     let r = &d.report;
     assert_eq!(r.recheck_after, Some(Duration::from_millis(3_000)));
     assert_eq!(r.consumers.attached, 0);
@@ -148,7 +164,7 @@ fn a_fresh_consumer_waits_out_min_attached_seconds_and_a_recheck_is_scheduled() 
 #[test]
 fn no_consumer_keeps_the_gate_shut() {
     let d = run(&plan(), &[deployment(1)], &[pod(1)], &[], Tracking::Events);
-    assert!(d.patches.is_empty());
+    assert!(no_flip(&d));
     assert_eq!(d.report.consumers_attached.reason, Reason::TooFewAttached);
     assert_eq!(d.report.consumers.pods[0].gate, PodGate::Closed);
 }
@@ -173,15 +189,15 @@ fn nothing_changed_means_no_patch_and_no_event() {
 fn a_detached_consumer_closes_the_gate_and_moves_the_transition_time() {
     let d = run(&plan(), &[deployment(1)], &[open(pod(1), NOW - 60_000)], &[], Tracking::Events);
     let p = patch_of(&d, "worker-1").unwrap();
-    assert_eq!((p.attached, p.reason, p.transition_ms), (false, GateReason::NoConsumer, NOW));
-    assert_eq!(p.event().reason.as_str(), "GateClosed");
+    assert_eq!((p.attached, p.reason, p.transition_ms), (false, GateReason::WaitingForConsumer, NOW));
+    assert_eq!(p.event().unwrap().reason.as_str(), "GateClosed");
 }
 
 #[test]
 fn a_closed_gate_is_not_patched_again_while_it_stays_closed() {
     let mut waiting = pod(1);
     waiting.condition =
-        Some(GateCondition { status: false, reason: GateReason::NoConsumer.as_str().into(), since_ms: NOW - 9_000 });
+        Some(GateCondition { status: false, reason: GateReason::WaitingForConsumer.as_str().into(), since_ms: NOW - 9_000 });
     let d = run(&plan(), &[deployment(1)], &[waiting], &[consumer_from(1, NOW - 1_000)], Tracking::Events);
     assert!(d.patches.is_empty(), "NoConsumer to AttachedTooRecently is no flip");
     assert_eq!(d.report.rollout.waiting_pods[0].since.as_ref().unwrap().0.as_millisecond(), NOW - 1_000);
@@ -206,7 +222,7 @@ fn failure_policy_closed_changes_nothing_it_cannot_see() {
     let mut stale = pod(1);
     stale.containers_ready_since_ms = Some(NOW - 3_600_000);
     let d = run(&plan(), &[deployment(2)], &[stale, open(pod(2), 0)], &[], unreachable);
-    assert!(d.patches.is_empty(), "{:?}", d.patches);
+    assert!(no_flip(&d) && patch_of(&d, "worker-2").is_none(), "{:?}", d.patches);
     assert_eq!(d.report.consumers_attached.status, crate::status::Truth::Unknown);
     assert_eq!(d.report.rollout.phase, RolloutPhase::Stalled);
     assert!(d.report.events.iter().any(|e| e.reason.as_str() == "RolloutStalled" && e.warning));
@@ -221,13 +237,14 @@ fn a_stalled_rollout_is_announced_once() {
     let facts = PolicyFacts {
         key: key.clone(),
         uid: "u".into(),
-        selects: Selects::Name("worker".into()),
+        selects: Selects::Named(Kind::Deployment, "worker".into()),
         plan: Ok(plan()),
         deleting: false,
     };
     index.replace_policies(vec![facts]);
     index.bind(&key, Ok(Binding { source: 1, queue: queue(), dead_letter_queue: None }));
-    index.replace_deployments(vec![DeploymentFacts::from_deployment(&deployment(1))]);
+    index.replace_workloads(Kind::Deployment, vec![Workload::new(deployment(1))]);
+    crate::testing::sync_workload_feeds(&mut index);
     index.replace_budgets(vec![]);
     index.replace_pods(vec![stale], NOW);
     let seen = Seen(vec![], Tracking::Events);
@@ -244,10 +261,12 @@ fn failure_policy_open_opens_after_the_timeout_with_a_warning() {
     stale.containers_ready_since_ms = Some(NOW - 600_000);
     let young = pod(2);
     let d = run(&p, &[deployment(2)], &[stale.clone(), young], &[], Tracking::Unavailable("down".into()));
-    assert_eq!(d.patches.len(), 1);
-    let patch = &d.patches[0];
-    assert_eq!((patch.pod.as_str(), patch.attached, patch.reason), ("worker-1", true, GateReason::BrokerUnreachable));
-    assert!(patch.event().warning && patch.event().reason.as_str() == "GateFailedOpen");
+    let patch = patch_of(&d, "worker-1").unwrap();
+    assert_eq!((patch.attached, patch.reason), (true, GateReason::BrokerUnreachable));
+    let young = patch_of(&d, "worker-2").unwrap();
+    assert_eq!((young.attached, young.reason), (false, GateReason::TrackingUnavailable), "its first word");
+    let event = patch.event().unwrap();
+    assert!(event.warning && event.reason.as_str() == "GateFailedOpen");
     assert_eq!(d.report.recheck_after, Some(Duration::from_millis(599_000)), "the young pod's timeout");
     // With the broker visible but no consumer coming, Open also gives up after the timeout.
     let d = run(&p, &[deployment(1)], &[stale], &[], Tracking::Events);
@@ -262,7 +281,7 @@ fn observe_mode_reports_without_acting() {
     recreate.spec.as_mut().unwrap().strategy =
         Some(DeploymentStrategy { type_: Some("Recreate".into()), rolling_update: None });
     let d = run(&p, &[recreate], &[pod(1)], &[consumer_from(1, 0)], Tracking::Events);
-    assert!(d.report.strategy_patches.is_empty());
+    assert!(d.writes.is_empty(), "{:?}", d.writes);
     assert_eq!(d.report.rollout_safe.reason, Reason::UnsafeRolloutStrategy);
     assert_eq!(d.patches.len(), 1, "the only guard is observing: nothing holds the pod, so its gate opens");
     assert_eq!(d.patches[0].reason, GateReason::NotGuarded);
@@ -276,15 +295,14 @@ fn unsafe_strategies_are_patched_when_managed_else_reported() {
         Some(DeploymentStrategy { type_: Some("Recreate".into()), rolling_update: None });
     let d = run(&plan(), std::slice::from_ref(&recreate), &[], &[], Tracking::Events);
     let r = &d.report;
-    assert_eq!(r.strategy_patches.len(), 1);
-    assert_eq!(r.strategy_patches[0].0, "worker");
+    let fixes: Vec<_> = d.writes.iter().filter(|w| matches!(w, Write::Strategy(_))).collect();
+    assert!(matches!(fixes.as_slice(), [Write::Strategy(f)] if f.workload.name == "worker"), "{fixes:?}");
     assert_eq!(r.rollout_safe.reason, Reason::RolloutGuarded);
     assert!(r.rollout_safe.message.contains("patched"));
-    assert!(r.events.iter().any(|e| e.reason.as_str() == "StrategyPatched"));
     let mut p = plan();
     p.manage_strategy = false;
     let d = run(&p, &[recreate], &[], &[], Tracking::Events);
-    assert!(d.report.strategy_patches.is_empty());
+    assert!(!d.writes.iter().any(|w| matches!(w, Write::Strategy(_))));
     assert_eq!(d.report.rollout_safe.reason, Reason::UnsafeRolloutStrategy);
     assert!(d.report.rollout_safe.message.contains("manageStrategy"));
 }
@@ -305,7 +323,7 @@ fn pods_without_the_readiness_gate_are_listed() {
 #[test]
 fn a_missing_deployment_and_zero_replicas_are_reported() {
     let d = run(&plan(), &[], &[], &[], Tracking::Events);
-    assert_eq!(d.report.rollout_safe.reason, Reason::DeploymentNotFound);
+    assert_eq!(d.report.rollout_safe.reason, Reason::WorkloadNotFound);
     assert!(d.report.rollout_safe.message.contains("'worker'"));
     let d = run(&plan(), &[deployment(0)], &[], &[], Tracking::Events);
     assert_eq!(d.report.consumers_attached.reason, Reason::ScaledToZero);
@@ -319,7 +337,7 @@ fn consumers_on_other_queues_and_nat_peers_do_not_count() {
     let mut natted = consumer_from(1, 0);
     natted.peer_host = Some("192.168.99.1".into());
     let d = run(&plan(), &[deployment(1)], &[pod(1)], &[elsewhere, natted], Tracking::Events);
-    assert!(d.patches.is_empty());
+    assert!(no_flip(&d));
     assert_eq!(d.report.consumers.unmatched, 1, "the other queue's consumer is not even considered");
     assert!(
         d.report.consumers_attached.message.contains("matchBy: ConnectionName"),
@@ -387,7 +405,7 @@ fn a_pod_whose_consumer_left_waits_from_that_moment_not_from_its_start() {
     let mut closed_long_ago = pod(2);
     closed_long_ago.containers_ready_since_ms = Some(NOW - 86_400_000);
     closed_long_ago.condition =
-        Some(GateCondition { status: false, reason: GateReason::NoConsumer.as_str().into(), since_ms: NOW - 700_000 });
+        Some(GateCondition { status: false, reason: GateReason::WaitingForConsumer.as_str().into(), since_ms: NOW - 700_000 });
     let d = run(&plan(), &[deployment(1)], &[closed_long_ago.clone()], &[], Tracking::Events);
     assert_eq!(d.report.rollout.phase, RolloutPhase::Stalled);
     closed_long_ago.condition.as_mut().unwrap().since_ms = NOW - 10_000;

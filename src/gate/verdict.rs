@@ -18,16 +18,24 @@ use crate::{
 pub enum GateReason {
     /// Every guarding policy's consumer from this pod has been attached long enough.
     ConsumerAttached,
-    /// No consumer from this pod on a guarded queue.
-    NoConsumer,
+    /// No consumer from this pod on a guarded queue yet.
+    WaitingForConsumer,
     /// Attached, but not yet for minAttachedSeconds.
     AttachedTooRecently,
     /// failurePolicy Open: no consumer within attachTimeout, let through.
     AttachTimeoutExpired,
     /// failurePolicy Open: consumers could not be seen for attachTimeout, let through.
     BrokerUnreachable,
-    /// No QueuePolicy in Enforce mode guards the pod's Deployment: nothing holds it back.
+    /// No QueuePolicy in Enforce mode guards the pod's workload: nothing holds it back.
     NotGuarded,
+    /// A guarding policy has not bound its queue yet (not reconciled, or its broker side not
+    /// Ready): written only as a pod's first condition; an open gate is held as it is.
+    WaitingForQueues,
+    /// A guarding policy cannot see its consumers (failurePolicy Closed): first condition only,
+    /// as above.
+    TrackingUnavailable,
+    /// A guarding policy's spec is invalid: first condition only, as above.
+    PolicyInvalid,
 }
 
 impl GateReason {
@@ -52,8 +60,10 @@ pub enum Vote {
         reason: GateReason,
         message: String,
     },
-    /// Its consumers cannot be seen: keep the condition as it is.
+    /// Its consumers cannot be seen, or it is not bound to its queue: keep the condition as it
+    /// is (a pod without one is told why it waits).
     Hold {
+        reason: GateReason,
         message: String,
     },
 }
@@ -103,7 +113,10 @@ pub fn vote(b: &Ballot) -> PolicyVote {
                 ),
             }
         } else {
-            Vote::Hold { message: format!("consumers cannot be seen ({})", b.tracking) }
+            Vote::Hold {
+                reason: GateReason::TrackingUnavailable,
+                message: format!("consumers cannot be seen ({})", b.tracking),
+            }
         }
     } else if let Some(since) = attached_since {
         let first = b.mine.iter().min_by_key(|c| c.since_ms).expect("attached_since came from one");
@@ -130,7 +143,7 @@ pub fn vote(b: &Ballot) -> PolicyVote {
             ),
         }
     } else {
-        Vote::Closed { reason: GateReason::NoConsumer, message: "no consumer from this pod".into() }
+        Vote::Closed { reason: GateReason::WaitingForConsumer, message: "no consumer from this pod yet".into() }
     };
     PolicyVote { vote, due_ms: due, attached_since, counts }
 }
@@ -142,7 +155,7 @@ pub struct Verdict {
     pub open: Option<bool>,
     pub reason: GateReason,
     pub message: String,
-    /// Queues still missing this pod's consumer.
+    /// Queues still missing this pod's consumer (or policies not bound to theirs yet).
     pub waiting_for: Vec<String>,
 }
 
@@ -151,7 +164,7 @@ pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
         return Verdict {
             open: Some(true),
             reason: GateReason::NotGuarded,
-            message: "no QueuePolicy in Enforce mode guards this pod's Deployment".into(),
+            message: "no QueuePolicy in Enforce mode guards this pod's workload".into(),
             waiting_for: vec![],
         };
     }
@@ -175,12 +188,19 @@ pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
             waiting_for,
         };
     }
-    if let Some((q, Vote::Hold { message })) = votes.iter().find(|(_, v)| matches!(v, Vote::Hold { .. })) {
+    let held: Vec<(&str, GateReason, &str)> = votes
+        .iter()
+        .filter_map(|(q, v)| match v {
+            Vote::Hold { reason, message } => Some((q.as_str(), *reason, message.as_str())),
+            _ => None,
+        })
+        .collect();
+    if let Some((_, reason, _)) = held.first() {
         return Verdict {
             open: None,
-            reason: GateReason::BrokerUnreachable,
-            message: format!("{q}: {message}"),
-            waiting_for: vec![],
+            reason: *reason,
+            message: format!("waiting for {}", held.iter().map(|(q, _, m)| format!("{q}: {m}")).collect::<Vec<_>>().join("; ")),
+            waiting_for: held.iter().map(|(q, ..)| q.to_string()).collect(),
         };
     }
     let opened: Vec<(&str, GateReason, &str)> = votes

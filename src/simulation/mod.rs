@@ -23,12 +23,11 @@ use crate::{
     converge::{self, Mode},
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy},
     gate::{
-        self, GatePlan,
         guards::Selects,
-        index::{Binding, Consumers, DeploymentFacts, GateIndex, ObjectKey, PolicyFacts},
-        strategy,
+        index::{Binding, Consumers, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, Write},
     },
-    plan::{self, Limits},
+    plan::{self, GatePlan, Limits},
+    workload::{Kind, Workload, WorkloadKey, strategy},
 };
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus, DeploymentStrategy};
 use lapin::{
@@ -94,6 +93,8 @@ const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(60);
 
 const NAMESPACE: &str = "queueguard-demo";
 const DEPLOYMENT: &str = "demo-consumer";
+/// The ReplicaSet its pods belong to (which leads the gate to the Deployment).
+const REPLICA_SET: &str = "demo-consumer-5d8f7c";
 
 /// Runs one scenario against the broker at `uri`.
 pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
@@ -207,8 +208,6 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
 /// The operator's gate for the simulated Deployment: its index with one policy per queue.
 struct Guard {
     index: GateIndex,
-    plan: GatePlan,
-    first: ObjectKey,
 }
 
 impl Guard {
@@ -225,7 +224,9 @@ impl Guard {
             match_by: MatchBy::ConnectionName,
             consumers: ConsumersSpec {
                 deployment: Some(DEPLOYMENT.into()),
+                workload: None,
                 selector: None,
+                kinds: None,
                 min_attached: 1,
                 min_attached_seconds: 0,
                 match_by: MatchBy::ConnectionName,
@@ -236,21 +237,26 @@ impl Guard {
             .map(|i| PolicyFacts {
                 key: ObjectKey::new(NAMESPACE, format!("demo-{i}")),
                 uid: format!("demo-{i}"),
-                selects: Selects::Name(DEPLOYMENT.into()),
+                selects: Selects::Named(Kind::Deployment, DEPLOYMENT.into()),
                 plan: Ok(plan.clone()),
                 deleting: false,
             })
             .collect();
-        let first = policies[0].key.clone();
         let names: Vec<ObjectKey> = policies.iter().map(|p| p.key.clone()).collect();
         index.replace_policies(policies);
         for (name, queue) in names.iter().zip(keys) {
             index.bind(name, Ok(Binding { source: tracker.id(), queue: queue.clone(), dead_letter_queue: None }));
         }
         index.replace_budgets(vec![]);
-        index.replace_deployments(vec![]);
+        index.replace_workloads(Kind::Deployment, vec![]);
+        index.kind_unavailable(Kind::StatefulSet);
+        index.kind_unavailable(Kind::Rollout);
+        index.replace_replica_sets(vec![ReplicaSetFacts {
+            key: ObjectKey::new(NAMESPACE, REPLICA_SET),
+            owner: Some(WorkloadKey::new(Kind::Deployment, NAMESPACE, DEPLOYMENT)),
+        }]);
         index.replace_pods(vec![], now_ms());
-        Self { index, plan, first }
+        Self { index }
     }
 }
 
@@ -391,21 +397,24 @@ impl Sim {
     /// them.
     fn gate_pass(&mut self) {
         let deployment = self.deployment();
-        let facts = self.pods.iter().map(|p| p.facts(NAMESPACE, DEPLOYMENT)).collect();
+        let facts = self.pods.iter().map(|p| p.facts(NAMESPACE, REPLICA_SET)).collect();
         let Some(guard) = &mut self.guard else { return };
         let now = now_ms();
         let consumers = OneTracker(&self.tracker);
-        guard.index.upsert_deployment(DeploymentFacts::from_deployment(&deployment));
+        guard.index.upsert_workload(Workload::new(deployment));
         guard.index.replace_pods(facts, now);
         guard.index.all_consumers_changed();
         guard.index.tick(now);
         let effects = guard.index.flush(&consumers, now);
-        if let Some(view) = guard.index.policy_view(&guard.first, &consumers, now) {
-            for (_, patch) in gate::report(&guard.plan, &view, None, now).strategy_patches {
-                self.strategy = serde_json::from_value(patch["spec"]["strategy"].clone()).ok();
+        let mut patches = Vec::new();
+        for write in effects.writes {
+            match write {
+                Write::Strategy(fix) => self.strategy = serde_json::from_value(fix.body["spec"]["strategy"].clone()).ok(),
+                Write::Condition(patch) => patches.push(patch),
+                Write::ApplyBudget { .. } | Write::DeleteBudget { .. } => {}
             }
         }
-        for patch in effects.patches {
+        for patch in patches {
             let Some(pod) = self.pods.iter_mut().find(|p| p.name == patch.pod) else { continue };
             let opened = pod.set_gate(patch.attached, patch.reason.as_str(), now);
             if opened {

@@ -3,7 +3,7 @@
 //! are removed while the Ready pods stay at or above `replicas - maxUnavailable` (unready old
 //! pods first, as the controller cleans up unhealthy replicas before scaling down healthy ones).
 
-use crate::gate::strategy::Fenceposts;
+use crate::workload::strategy::Fenceposts;
 
 /// What the model needs to know about one pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,7 @@
 //! One simulated consumer pod: boots, attaches a real consumer, acknowledges messages, and on
 //! termination cancels its consumer, finishes what it holds, and closes.
 
+use crate::{sync::lock, workload::owner::PodOwner};
 use super::Scenario;
 use crate::{
     broker::uri::BrokerUri,
@@ -33,12 +34,12 @@ pub struct Tally {
 
 impl Tally {
     fn record(&self, seq: u64) {
-        *self.seen.lock().unwrap_or_else(|p| p.into_inner()).entry(seq).or_default() += 1;
+        *lock(&self.seen).entry(seq).or_default() += 1;
     }
 
     /// (distinct messages, deliveries).
     pub fn counts(&self) -> (u64, u64) {
-        let map = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let map = lock(&self.seen);
         (map.len() as u64, map.values().map(|&n| u64::from(n)).sum())
     }
 
@@ -169,12 +170,12 @@ impl PodHandle {
     }
 
     /// The pod as the gate sees it.
-    pub fn facts(&self, namespace: &str, deployment: &str) -> PodFacts {
+    pub fn facts(&self, namespace: &str, replica_set: &str) -> PodFacts {
         PodFacts {
             namespace: namespace.into(),
             name: self.name.clone(),
             uid: self.name.clone(),
-            deployment: Some(deployment.into()),
+            owner: Some(PodOwner::ReplicaSet(replica_set.into())),
             ips: vec![],
             ip_since_ms: None,
             has_gate: true,

@@ -1,15 +1,18 @@
 //! The optional mutating admission webhook: it adds the `queueguard.io/consumer-attached`
-//! readiness gate to new pods of Deployments that a QueuePolicy guards in Enforce mode, so
+//! readiness gate to new pods of workloads that a QueuePolicy guards in Enforce mode, so
 //! users need not edit their pod templates. It runs with `failurePolicy: Ignore`: a pod created
 //! while the operator is down simply lacks the gate and is reported as `GateNotInstalled`.
 
 pub mod certs;
 pub mod server;
 
+pub use crate::names::{NAMESPACE_LABEL, NAMESPACE_LABEL_TEXT};
 use crate::{
-    crd::{GateMode, QueuePolicy},
-    gate::{GATE_CONDITION, guards::guards},
-    plan::{self, Limits},
+    crd::QueuePolicy,
+    gate::{guards::Selects, index::PolicyFacts},
+    names::GATE_CONDITION,
+    plan::Limits,
+    workload::WorkloadKey,
 };
 use base64::Engine;
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
@@ -20,38 +23,35 @@ use kube::{
 };
 use serde_json::json;
 
-/// The opt-in label: the webhook is called only for pods of namespaces that carry it (its
-/// namespaceSelector), so pod creation elsewhere, kube-system included, never waits on the
-/// operator.
-pub const NAMESPACE_LABEL: (&str, &str) = ("queueguard.io/readiness-gate-inject", "enabled");
-/// The same, as `kubectl label` takes it.
-pub const NAMESPACE_LABEL_TEXT: &str = "queueguard.io/readiness-gate-inject=enabled";
-
-/// The policies that gate pods of `deployment` (named, or selected by its labels): valid, and
-/// in Enforce mode. An invalid policy or Observe mode must not add the gate: nobody would ever
-/// set its condition.
-pub fn enforcing<'a>(
-    policies: &'a [std::sync::Arc<QueuePolicy>],
-    namespace: &str,
-    deployment: &str,
-    labels: Option<&std::collections::BTreeMap<String, String>>,
-) -> Vec<&'a QueuePolicy> {
-    let no_labels = std::collections::BTreeMap::new();
+/// The policies of `namespace` that gate pods: valid, in Enforce mode, not being deleted (the
+/// index's own rule). An invalid policy or Observe mode must not add the gate: nobody would
+/// ever set its condition.
+pub fn enforcing_in<'a>(policies: &'a [std::sync::Arc<QueuePolicy>], namespace: &str) -> Vec<&'a QueuePolicy> {
     policies
         .iter()
         .map(|p| &**p)
-        .filter(|p| p.namespace().as_deref() == Some(namespace) && p.spec.gate.mode == GateMode::Enforce)
-        .filter(|p| guards(p, deployment, labels.unwrap_or(&no_labels)))
-        .filter(|p| p.metadata.deletion_timestamp.is_none() && plan::plan(p, Limits::default()).is_ok())
+        .filter(|p| p.namespace().as_deref() == Some(namespace))
+        .filter(|p| PolicyFacts::from_policy(p, Limits::default()).enforcing().is_some())
         .collect()
 }
 
-/// Whether any policy in the namespace picks Deployments by label (then the Deployment's labels
-/// must be read to decide).
-pub fn needs_deployment_labels(policies: &[std::sync::Arc<QueuePolicy>], namespace: &str) -> bool {
-    policies.iter().any(|p| {
-        p.namespace().as_deref() == Some(namespace) && p.spec.consumers.as_ref().is_some_and(|c| c.selector.is_some())
-    })
+/// Of `enforcing`, the policies that guard `workload` (named, or selected by its `labels`).
+pub fn guarding<'a>(
+    enforcing: &[&'a QueuePolicy],
+    workload: &WorkloadKey,
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+) -> Vec<&'a QueuePolicy> {
+    let no_labels = std::collections::BTreeMap::new();
+    enforcing
+        .iter()
+        .copied()
+        .filter(|p| Selects::of(p).matches(workload.kind, &workload.name, labels.unwrap_or(&no_labels)))
+        .collect()
+}
+
+/// Whether any of them picks workloads by label (then the workload's labels must be read).
+pub fn needs_workload_labels(enforcing: &[&QueuePolicy]) -> bool {
+    enforcing.iter().any(|p| matches!(Selects::of(p), Selects::Labels { .. }))
 }
 
 /// The answer to one admission request. `guarding` names the policies that guard the pod's
@@ -128,6 +128,17 @@ mod tests {
         Arc::new(serde_yaml_ng::from_str(&doc).unwrap())
     }
 
+    /// The Enforce policies of `namespace` guarding the Deployment `deployment`.
+    fn enforcing<'a>(
+        policies: &'a [Arc<QueuePolicy>],
+        namespace: &str,
+        deployment: &str,
+        labels: Option<&std::collections::BTreeMap<String, String>>,
+    ) -> Vec<&'a QueuePolicy> {
+        let workload = WorkloadKey::new(crate::workload::Kind::Deployment, namespace, deployment);
+        guarding(&enforcing_in(policies, namespace), &workload, labels)
+    }
+
     fn patch_of(response: &AdmissionResponse) -> Value {
         serde_json::from_slice(response.patch.as_ref().expect("a patch")).unwrap()
     }
@@ -137,8 +148,9 @@ mod tests {
         let req = request(|_| {});
         let policies = [policy("{deployment: order-worker}", "Enforce")];
         let pod = req.object.as_ref().unwrap();
-        let deployment = crate::gate::guards::deployment_of(pod).unwrap();
-        let guarding = enforcing(&policies, "shop", &deployment, None);
+        let owner = crate::workload::owner::pod_owner(&pod.metadata);
+        assert_eq!(owner, Some(crate::workload::owner::PodOwner::ReplicaSet("order-worker-7d9c5b6f4".into())));
+        let guarding = enforcing(&policies, "shop", "order-worker", None);
         let response = mutate(&req, &guarding);
         assert!(response.allowed);
         assert_eq!(response.uid, "705ab4f5-6393-11e8-b7cc-42010a800002");
@@ -218,14 +230,33 @@ mod tests {
     }
 
     #[test]
-    fn label_selected_deployments_need_their_labels() {
+    fn label_selected_workloads_need_their_labels() {
         let policies = [policy("{selector: {matchLabels: {tier: consumers}}}", "Enforce")];
-        assert!(needs_deployment_labels(&policies, "shop"));
-        assert!(!needs_deployment_labels(&policies, "elsewhere"));
+        assert!(needs_workload_labels(&enforcing_in(&policies, "shop")));
+        assert!(!needs_workload_labels(&enforcing_in(&policies, "elsewhere")));
         let labels = std::collections::BTreeMap::from([("tier".to_owned(), "consumers".to_owned())]);
         assert_eq!(enforcing(&policies, "shop", "order-worker", Some(&labels)).len(), 1);
         assert!(enforcing(&policies, "shop", "order-worker", None).is_empty());
         let web = std::collections::BTreeMap::from([("tier".to_owned(), "web".to_owned())]);
         assert!(enforcing(&policies, "shop", "order-worker", Some(&web)).is_empty());
+    }
+
+    #[test]
+    fn the_pods_of_every_guarded_kind_get_the_gate() {
+        use crate::workload::Kind;
+        let policies = [
+            policy("{workload: {kind: StatefulSet, name: shard}}", "Enforce"),
+            policy("{selector: {matchLabels: {tier: consumers}}, kinds: [Rollout]}", "Enforce"),
+        ];
+        let enforcing = enforcing_in(&policies, "shop");
+        let labels = std::collections::BTreeMap::from([("tier".to_owned(), "consumers".to_owned())]);
+        let shard = WorkloadKey::new(Kind::StatefulSet, "shop", "shard");
+        assert_eq!(guarding(&enforcing, &shard, None).len(), 1);
+        let canary = WorkloadKey::new(Kind::Rollout, "shop", "canary");
+        assert_eq!(guarding(&enforcing, &canary, Some(&labels)).len(), 1);
+        let deployment = WorkloadKey::new(Kind::Deployment, "shop", "canary");
+        assert!(guarding(&enforcing, &deployment, Some(&labels)).is_empty(), "kinds: [Rollout] only");
+        let req = request(|_| {});
+        assert!(mutate(&req, &guarding(&enforcing, &shard, None)).patch.is_some());
     }
 }

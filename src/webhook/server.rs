@@ -5,16 +5,26 @@
 
 use super::{
     certs::{SelfSigned, WebhookTls},
-    enforcing, mutate, needs_deployment_labels, review_json,
+    enforcing_in, guarding, mutate, needs_workload_labels, review_json,
 };
-use crate::{crd::QueuePolicy, gate::guards::deployment_of};
+use crate::{
+    crd::QueuePolicy,
+    workload::{
+        Kind, WorkloadKey,
+        owner::{PodOwner, pod_owner, replica_set_owner},
+        rollout::Rollout,
+    },
+};
 use axum::response::IntoResponse;
 use axum::{Json, Router, extract::State, routing::post};
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
     service::TowerToHyperService,
 };
-use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};
+use k8s_openapi::api::{
+    apps::v1::{Deployment, ReplicaSet, StatefulSet},
+    core::v1::Pod,
+};
 use kube::{
     Api, Client, ResourceExt,
     core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview},
@@ -64,7 +74,7 @@ pub enum WebhookError {
 pub const DIR_CHECK_EVERY: Duration = Duration::from_secs(5);
 /// The self-signed certificate is the operator's own, renewed by it well before it expires.
 const SELF_SIGNED_CHECK_EVERY: Duration = Duration::from_secs(3600);
-/// Reading a Deployment's labels must not hold pod creation up for long.
+/// Reading a pod's ReplicaSet, or its workload's labels, must not hold pod creation up for long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl CertSource {
@@ -133,23 +143,55 @@ async fn admit(
 
 async fn guarding_policies(state: &Admission, request: &AdmissionRequest<Pod>) -> Vec<Arc<QueuePolicy>> {
     let (Some(pod), Some(ns)) = (request.object.as_ref(), request.namespace.as_deref()) else { return vec![] };
-    let Some(deployment) = deployment_of(pod) else { return vec![] };
+    let Some(owner) = pod_owner(&pod.metadata) else { return vec![] };
     let policies = state.policies.state();
-    let labels = if needs_deployment_labels(&policies, ns) {
-        let api: Api<Deployment> = Api::namespaced(state.client.clone(), ns);
-        match tokio::time::timeout(LOOKUP_TIMEOUT, api.get_opt(&deployment)).await {
-            Ok(Ok(d)) => d.map(|d| d.labels().clone()),
-            outcome => {
-                tracing::warn!(%deployment, ?outcome, "could not read the Deployment; matching by name only");
-                None
+    let enforcing = enforcing_in(&policies, ns);
+    // Only a namespace with an enforcing policy costs a lookup.
+    if enforcing.is_empty() {
+        return vec![];
+    }
+    let Some(workload) = workload_of(&state.client, ns, &owner).await else { return vec![] };
+    let labels = if needs_workload_labels(&enforcing) { labels_of(&state.client, &workload).await } else { None };
+    let names: Vec<String> = guarding(&enforcing, &workload, labels.as_ref()).into_iter().map(|p| p.name_any()).collect();
+    policies.into_iter().filter(|p| p.namespace().as_deref() == Some(ns) && names.contains(&p.name_any())).collect()
+}
+
+/// The workload a new pod belongs to: its StatefulSet, or its ReplicaSet's controller.
+async fn workload_of(client: &Client, ns: &str, owner: &PodOwner) -> Option<WorkloadKey> {
+    match owner {
+        PodOwner::StatefulSet(name) => Some(WorkloadKey::new(Kind::StatefulSet, ns, name.clone())),
+        PodOwner::ReplicaSet(name) => {
+            let api: Api<ReplicaSet> = Api::namespaced(client.clone(), ns);
+            match tokio::time::timeout(LOOKUP_TIMEOUT, api.get_metadata_opt(name)).await {
+                Ok(Ok(rs)) => rs.and_then(|rs| replica_set_owner(&rs.metadata)),
+                outcome => {
+                    tracing::warn!(replica_set = %name, ?outcome, "could not read the pod's ReplicaSet; no readiness gate added");
+                    None
+                }
             }
         }
-    } else {
-        None
+    }
+}
+
+/// A workload's labels, for policies that select by label; None (name matches only) when it
+/// cannot be read in time.
+async fn labels_of(client: &Client, w: &WorkloadKey) -> Option<std::collections::BTreeMap<String, String>> {
+    let (ns, name) = (w.namespace.as_str(), w.name.as_str());
+    let read = async {
+        let labels = |m: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>| m.map(|m| m.labels.unwrap_or_default());
+        Ok::<_, kube::Error>(match w.kind {
+            Kind::Deployment => labels(Api::<Deployment>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata)),
+            Kind::StatefulSet => labels(Api::<StatefulSet>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata)),
+            Kind::Rollout => labels(Api::<Rollout>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata)),
+        })
     };
-    let names: Vec<String> =
-        enforcing(&policies, ns, &deployment, labels.as_ref()).into_iter().map(|p| p.name_any()).collect();
-    policies.into_iter().filter(|p| p.namespace().as_deref() == Some(ns) && names.contains(&p.name_any())).collect()
+    match tokio::time::timeout(LOOKUP_TIMEOUT, read).await {
+        Ok(Ok(found)) => found,
+        outcome => {
+            tracing::warn!(workload = %w, ?outcome, "could not read the workload's labels; matching by name only");
+            None
+        }
+    }
 }
 
 /// The webhook's address and certificate.
