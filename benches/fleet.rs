@@ -20,7 +20,12 @@ mod common;
 use common::{base64, rss_mib};
 use futures::StreamExt;
 use http::StatusCode;
-use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget};
+use k8s_openapi::api::{
+    apps::v1::{Deployment, ReplicaSet, StatefulSet},
+    core::v1::Pod,
+    policy::v1::PodDisruptionBudget,
+};
+use kube::api::PartialObjectMeta;
 use kube::{
     Client,
     runtime::{Controller, Predicate, WatchStreamExt, predicates, reflector, watcher},
@@ -211,6 +216,17 @@ fn deployment(w: &Workload, generation: i64, observed: i64) -> Deployment {
     .unwrap()
 }
 
+/// A Deployment's ReplicaSet of revision `hash`, as the metadata watch delivers it.
+fn replica_set(w: &Workload, hash: &str) -> PartialObjectMeta<ReplicaSet> {
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": format!("{}-{hash}", w.name), "namespace": w.namespace, "uid": "rs",
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": w.name,
+                                          "uid": format!("uid-{}", w.name), "controller": true}]},
+    }))
+    .unwrap()
+}
+
 fn pod(w: &Workload, name: &str, hash: &str, ip: &str, started_ms: i64) -> Pod {
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -371,6 +387,7 @@ async fn roll(
         ctx.gate.on(&watcher::Event::Apply(p));
     };
     ctx.gate.on(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision) - 1)));
+    ctx.gate.on(&watcher::Event::Apply(replica_set(w, &hash)));
     let mut latencies = Vec::new();
     let old = std::mem::take(&mut w.pods);
     for (i, old_name) in old.iter().enumerate() {
@@ -496,6 +513,14 @@ async fn main() {
         gate.on(&watcher::Event::InitApply(d));
     }
     gate.on(&watcher::Event::<Deployment>::InitDone);
+    gate.on(&watcher::Event::<StatefulSet>::Init);
+    gate.on(&watcher::Event::<StatefulSet>::InitDone);
+    gate.on(&watcher::Event::<PartialObjectMeta<ReplicaSet>>::Init);
+    for w in &workloads {
+        gate.on(&watcher::Event::InitApply(replica_set(w, "r1")));
+    }
+    gate.on(&watcher::Event::<PartialObjectMeta<ReplicaSet>>::InitDone);
+    gate.kind_unavailable(queueguard::workload::Kind::Rollout);
     gate.on(&watcher::Event::<PodDisruptionBudget>::Init);
     gate.on(&watcher::Event::<PodDisruptionBudget>::InitDone);
     gate.on(&watcher::Event::<Pod>::Init);

@@ -10,10 +10,8 @@ use queueguard::{
     broker::uri::BrokerUri,
     consumers::{Change, Consumer, ConsumerTracker, TrackerPool},
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy},
-    gate::{
-        GatePlan,
-        verdict::{self, Ballot, Vote},
-    },
+    gate::verdict::{self, Ballot, Vote},
+    plan::GatePlan,
 };
 use std::{
     collections::HashMap,
@@ -47,7 +45,9 @@ fn plan() -> GatePlan {
         match_by: MatchBy::PodIp,
         consumers: ConsumersSpec {
             deployment: Some("bench".into()),
+            workload: None,
             selector: None,
+            kinds: None,
             min_attached: 1,
             min_attached_seconds: 0,
             match_by: MatchBy::PodIp,

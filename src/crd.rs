@@ -291,7 +291,9 @@ pub struct ConsumersSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkloadRef {
+    /// Deployment, StatefulSet or Rollout.
     pub kind: WorkloadKind,
+    /// The workload's name.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
 }

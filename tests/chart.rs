@@ -469,7 +469,7 @@ mod admission_policy {
     fn policies() -> Vec<(String, Vec<String>, Vec<String>)> {
         let docs = render(None, &[]);
         let found = of_kind(&docs, "ValidatingAdmissionPolicy");
-        assert_eq!(found.len(), 3, "on by default");
+        assert_eq!(found.len(), 4, "on by default");
         let bindings = of_kind(&docs, "ValidatingAdmissionPolicyBinding");
         found
             .iter()
@@ -594,14 +594,14 @@ mod admission_policy {
         });
         let mut safe = old.clone();
         safe["spec"]["strategy"]["canary"]["maxUnavailable"] = json!(0);
-        assert!(admits("rollout-strategy-only", OPERATOR, "UPDATE", safe.clone(), Some(old.clone())));
+        assert!(admits("rollout-strategy", OPERATOR, "UPDATE", safe.clone(), Some(old.clone())));
         let mut image = safe.clone();
         image["spec"]["template"]["spec"]["containers"][0]["image"] = json!("evil:1");
-        assert!(!admits("rollout-strategy-only", OPERATOR, "UPDATE", image.clone(), Some(old.clone())));
+        assert!(!admits("rollout-strategy", OPERATOR, "UPDATE", image.clone(), Some(old.clone())));
         let mut restart = safe.clone();
         restart["spec"]["restartAt"] = json!("2026-12-06T00:00:00Z");
-        assert!(!admits("rollout-strategy-only", OPERATOR, "UPDATE", restart, Some(old.clone())), "a restart");
-        assert!(admits("rollout-strategy-only", "kubernetes-admin", "UPDATE", image, Some(old)));
+        assert!(!admits("rollout-strategy", OPERATOR, "UPDATE", restart, Some(old.clone())), "a restart");
+        assert!(admits("rollout-strategy", "kubernetes-admin", "UPDATE", image, Some(old)));
     }
 
     #[test]

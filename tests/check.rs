@@ -56,7 +56,7 @@ fn clean_helm_template_output_exits_0_and_says_what_it_checked() {
     let out = check(&[&clean], None);
     assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
     assert_eq!(stdout(&out), "");
-    assert_eq!(stderr(&out), "no findings in 3 objects (1 QueuePolicy, 1 Deployment)\n");
+    assert_eq!(stderr(&out), "no findings in 3 objects (1 QueuePolicy, 1 workload)\n");
     let out = check(&["-o", "json", &clean], None);
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(json_of(&out), Vec::<Value>::new());
@@ -80,11 +80,11 @@ fn findings_exit_1_one_line_each_in_input_order() {
     );
     let text = stdout(&out);
     assert!(
-        text.contains(": QueuePolicy shop/orders: queue 'orders' expires after 1m without consumers, but a rollout of Deployment 'order-worker' may take about 5m35s: 1 step (Recreate replaces all 2 at once) of 5m35s each (30s terminationGracePeriodSeconds + 5m start-up (startupProbe of container 'worker': 0s + 30 × 10s) + 5s minAttachedSeconds)."),
+        text.contains(": QueuePolicy shop/orders: queue 'orders' expires after 1m without consumers, but a rollout of Deployment 'order-worker' may take about 5m35s: 1 step (all 2 replaced at once) of 5m35s each (30s terminationGracePeriodSeconds + 5m start-up (startupProbe of container 'worker': 0s + 30 × 10s) + 5s minAttachedSeconds)."),
         "{text}"
     );
     assert!(text.contains("Set spec.queue.expires to at least 6m.\n"), "{text}");
-    assert_eq!(stderr(&out), "5 findings (5 errors, 0 warnings) in 3 objects (2 QueuePolicies, 1 Deployment)\n");
+    assert_eq!(stderr(&out), "5 findings (5 errors, 0 warnings) in 3 objects (2 QueuePolicies, 1 workload)\n");
 }
 
 #[test]
@@ -134,7 +134,7 @@ fn queue_patterns_are_read_and_checked_with_the_policies() {
     assert!(text.contains("which gives it expires 1h."), "{text}");
     assert_eq!(
         stderr(&out),
-        "2 findings (1 error, 1 warning) in 4 objects (1 QueuePolicy, 2 QueuePatterns, 1 Deployment)\n"
+        "2 findings (1 error, 1 warning) in 4 objects (1 QueuePolicy, 2 QueuePatterns, 1 workload)\n"
     );
 
     let out = check(&["-o", "json", &patterns], None);
@@ -205,7 +205,7 @@ fn a_kubectl_list_read_from_stdin_is_flattened() {
     let enforcing = list.replace("mode: Observe", "mode: Enforce");
     let out = check(&["-"], Some(&enforcing));
     assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
-    assert_eq!(stderr(&out), "no findings in 3 objects (1 QueuePolicy, 1 Deployment)\n");
+    assert_eq!(stderr(&out), "no findings in 3 objects (1 QueuePolicy, 1 workload)\n");
 }
 
 #[test]

@@ -3,7 +3,11 @@
 
 use super::api::ApiServer;
 use http::StatusCode;
-use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod, policy::v1::PodDisruptionBudget};
+use k8s_openapi::api::{
+    apps::v1::{Deployment, ReplicaSet, StatefulSet},
+    core::v1::Pod,
+    policy::v1::PodDisruptionBudget,
+};
 use queueguard::{controller::Context, crd::QueuePolicy};
 use serde_json::{Value, json};
 
@@ -30,13 +34,24 @@ pub fn worker_pod(gate: Option<&str>) -> Value {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "worker-abc-1", "namespace": "test", "uid": "pod-uid-1",
                      "labels": {"app": "worker", "pod-template-hash": "abc"},
-                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "worker-abc", "uid": "rs-uid"}]},
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "worker-abc", "uid": "rs-uid", "controller": true}]},
         "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]},
         "status": {"podIP": "127.0.0.1", "startTime": ago(60), "phase": "Running", "conditions": conditions},
     })
 }
 
-/// What the watches would deliver: each kind listed once, so the gate has synced.
+/// The worker's ReplicaSet, as the metadata watch delivers it: owned by Deployment `worker`.
+pub fn worker_replica_set() -> kube::api::PartialObjectMeta<ReplicaSet> {
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": "worker-abc", "namespace": "test", "uid": "rs-uid",
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "worker", "uid": "d-uid", "controller": true}]},
+    }))
+    .unwrap()
+}
+
+/// What the watches would deliver: each kind listed once (no StatefulSets, the worker's
+/// ReplicaSet, and no Argo Rollouts API), so the gate has synced.
 pub fn watched(ctx: &Context, policies: &[&QueuePolicy], deployments: &[Value], pods: &[Value], budgets: &[Value]) {
     use kube::runtime::watcher::Event;
     let gate = &ctx.gate;
@@ -50,6 +65,12 @@ pub fn watched(ctx: &Context, policies: &[&QueuePolicy], deployments: &[Value], 
         gate.on(&Event::InitApply(serde_json::from_value::<Deployment>(d.clone()).unwrap()));
     }
     gate.on(&Event::<Deployment>::InitDone);
+    gate.on(&Event::<StatefulSet>::Init);
+    gate.on(&Event::<StatefulSet>::InitDone);
+    gate.on(&Event::Init::<kube::api::PartialObjectMeta<ReplicaSet>>);
+    gate.on(&Event::InitApply(worker_replica_set()));
+    gate.on(&Event::InitDone::<kube::api::PartialObjectMeta<ReplicaSet>>);
+    gate.kind_unavailable(queueguard::workload::Kind::Rollout);
     gate.on(&Event::<PodDisruptionBudget>::Init);
     for b in budgets {
         gate.on(&Event::InitApply(serde_json::from_value::<PodDisruptionBudget>(b.clone()).unwrap()));
