@@ -535,9 +535,14 @@ mod admission_policy {
         let escape = |key: &str| {
             key.replace('_', "__").replace('.', "__dot__").replace('-', "__dash__").replace('/', "__slash__")
         };
-        ["app.kubernetes.io/managed-by", "queueguard.io/deployment", "queueguard.io/statefulset", "queueguard.io/rollout"]
-            .iter()
-            .fold(expression.to_owned(), |e, key| e.replace(&format!("'{key}'"), &format!("'{}'", escape(key))))
+        [
+            "app.kubernetes.io/managed-by",
+            "queueguard.io/deployment",
+            "queueguard.io/statefulset",
+            "queueguard.io/rollout",
+        ]
+        .iter()
+        .fold(expression.to_owned(), |e, key| e.replace(&format!("'{key}'"), &format!("'{}'", escape(key))))
     }
 
     fn worker() -> Value {

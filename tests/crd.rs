@@ -169,7 +169,10 @@ fn queue_name_vhost_broker_and_type_are_immutable() {
 #[test]
 fn consumers_take_a_name_or_a_selector() {
     let both = with(&["consumers"], json!({"deployment": "w", "selector": {"matchLabels": {"app": "w"}}}));
-    assert_eq!(rejections(&both, None), ["set exactly one of consumers.deployment, consumers.workload and consumers.selector"]);
+    assert_eq!(
+        rejections(&both, None),
+        ["set exactly one of consumers.deployment, consumers.workload and consumers.selector"]
+    );
     let neither = with(&["consumers"], json!({"minAttached": 1}));
     assert_eq!(rejections(&neither, None).len(), 1);
     let selector = with(&["consumers"], json!({"selector": {"matchLabels": {"app": "w"}}}));

@@ -103,16 +103,25 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
         .build()
         .unwrap();
     let url = format!("https://qg-webhook.ops.svc:{}/mutate-pods", addr.port());
-    let mut answer = None;
-    for _ in 0..50 {
-        match https.post(&url).header("content-type", "application/json").body(REVIEW).send().await {
-            Ok(r) => {
-                answer = Some(r);
-                break;
+    let (client, target) = (https.clone(), url.clone());
+    let asked = tokio::spawn(async move {
+        for _ in 0..50 {
+            match client.post(&target).header("content-type", "application/json").body(REVIEW).send().await {
+                Ok(r) => return Some(r),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
-    }
+        None
+    });
+    // The new pod's ReplicaSet says which workload it belongs to (its metadata only).
+    let rs = api.expect("GET", "/apis/apps/v1/namespaces/shop/replicasets/order-worker-7d9c5b6f4").await;
+    rs.respond(
+        StatusCode::OK,
+        &json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                "metadata": {"name": "order-worker-7d9c5b6f4", "namespace": "shop",
+                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "order-worker", "uid": "d", "controller": true}]}}),
+    );
+    let answer = asked.await.unwrap();
     let answer = answer.expect("the webhook answers over TLS");
     assert_eq!(answer.status(), 200);
     let review: Value = answer.json().await.unwrap();

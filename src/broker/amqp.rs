@@ -4,11 +4,11 @@
 //! backoff between attempts so a down broker is not hammered by every reconcile. Channels are
 //! pooled: a channel the broker closed (a refused declare closes it) is simply not returned.
 
-use crate::sync::lock;
 use super::{
     refusal::Refusal,
     uri::{BrokerUri, Node},
 };
+use crate::sync::lock;
 use lapin::{Channel, Connection, ConnectionProperties, ErrorKind, tcp::OwnedTLSConfig};
 use std::{
     sync::{

@@ -199,7 +199,6 @@ impl BrokerPool {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,8 +16,8 @@ pub mod output;
 pub mod read;
 pub mod rules;
 
-use crate::{crd::QueuePolicy, pattern::crd::QueuePattern};
 use crate::workload::Workload;
+use crate::{crd::QueuePolicy, pattern::crd::QueuePattern};
 use std::fmt;
 
 pub use read::{ReadError, read};

@@ -10,11 +10,11 @@
 use super::{
     Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, TopologyQueueDoc, WebhookDoc, WorkloadDoc,
 };
+use crate::workload::{Kind, Workload, rollout::Rollout};
 use crate::{
     crd::{API_VERSION, QueuePolicy},
     pattern::crd::QueuePattern,
 };
-use crate::workload::{Kind, Workload, rollout::Rollout};
 use k8s_openapi::{
     api::apps::v1::{Deployment, StatefulSet},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,

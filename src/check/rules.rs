@@ -441,10 +441,7 @@ fn fix_text(strategy: &serde_json::Value) -> String {
         other => other.to_string(),
     };
     if let Some(canary) = strategy.get("canary") {
-        format!(
-            "spec.strategy.canary maxUnavailable: 0 and maxSurge: {}",
-            text(&canary["maxSurge"])
-        )
+        format!("spec.strategy.canary maxUnavailable: 0 and maxSurge: {}", text(&canary["maxSurge"]))
     } else if let Some(blue_green) = strategy.get("blueGreen") {
         format!("spec.strategy.blueGreen.maxUnavailable: {}", text(&blue_green["maxUnavailable"]))
     } else {
@@ -567,7 +564,8 @@ pub fn rollout_estimate(w: &Workload, min_attached: Duration) -> Option<RolloutE
         }
         Object::Rollout(r) => match &r.spec.strategy.canary {
             Some(c) => Some(
-                strategy::scaled(c.max_surge.as_ref().unwrap_or(&IntOrString::String("25%".into())), replicas, true).ok()?,
+                strategy::scaled(c.max_surge.as_ref().unwrap_or(&IntOrString::String("25%".into())), replicas, true)
+                    .ok()?,
             ),
             None => None,
         },

@@ -12,7 +12,6 @@
 //! consumers are polled for. After the subscription is lost (its node, say), it subscribes
 //! again through the next node, resyncs at once and once more after the statistics lag.
 
-use crate::sync::lock;
 use super::{
     events,
     registry::{BrokerEvent, Change, ConnectionFacts, Consumer, QueueKey, Registry, Snapshot},
@@ -23,6 +22,7 @@ use crate::broker::{
     management::{ConsumerInfo, NodeInfo},
     refusal::{ACCESS_REFUSED, NOT_FOUND},
 };
+use crate::sync::lock;
 use futures::StreamExt;
 use lapin::{
     options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions},
@@ -676,7 +676,6 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<Duration, Subscrib
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -34,7 +34,7 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, Patch, PatchParams, PartialObjectMeta},
+    api::{DeleteParams, PartialObjectMeta, Patch, PatchParams},
     runtime::{
         events::{Event, EventType, Recorder},
         reflector::ObjectRef,
@@ -544,12 +544,14 @@ async fn perform(client: &Client, write: &Write) -> Result<(), kube::Error> {
         Write::Strategy(fix) => {
             let (ns, name) = (&fix.workload.namespace, &fix.workload.name);
             match fix.workload.kind {
-                Kind::Deployment => {
-                    Api::<Deployment>::namespaced(client.clone(), ns).patch(name, &apply, &Patch::Apply(&fix.body)).await.map(drop)
-                }
-                Kind::Rollout => {
-                    Api::<Rollout>::namespaced(client.clone(), ns).patch(name, &apply, &Patch::Apply(&fix.body)).await.map(drop)
-                }
+                Kind::Deployment => Api::<Deployment>::namespaced(client.clone(), ns)
+                    .patch(name, &apply, &Patch::Apply(&fix.body))
+                    .await
+                    .map(drop),
+                Kind::Rollout => Api::<Rollout>::namespaced(client.clone(), ns)
+                    .patch(name, &apply, &Patch::Apply(&fix.body))
+                    .await
+                    .map(drop),
                 // Never patched (the index makes no fix for it).
                 Kind::StatefulSet => Ok(()),
             }

@@ -6,8 +6,9 @@ pub mod gate;
 pub mod pattern;
 mod secrets;
 
-use crate::sync::lock;
 use self::gate::{Gate, QueueWatch, SYNC_WAIT};
+use crate::sync::lock;
+use crate::workload::{Kind, rollout::Rollout};
 use crate::{
     broker::BrokerPool,
     claims::{self, Claims},
@@ -27,7 +28,6 @@ use crate::{
     status::{Check, Outcome, Reason, next_status},
 };
 use futures::{StreamExt, TryStreamExt};
-use crate::workload::{Kind, rollout::Rollout};
 use k8s_openapi::{
     api::{
         apps::v1::{Deployment, ReplicaSet, StatefulSet},
@@ -675,8 +675,7 @@ async fn look(
         }
     };
     let (memory, report) = findings::evaluate(&memory, &seen, &plan.findings);
-    lock(&ctx.memos).entry(me.clone()).or_default().looked =
-        Some((memory, Instant::now()));
+    lock(&ctx.memos).entry(me.clone()).or_default().looked = Some((memory, Instant::now()));
     Some(report)
 }
 

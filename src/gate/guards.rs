@@ -15,7 +15,10 @@ pub enum Selects {
     Named(Kind, String),
     /// spec.consumers.selector over `kinds` (default: every kind); never empty (an empty
     /// selector would be every workload of the namespace: it guards none).
-    Labels { selector: Selector, kinds: Vec<Kind> },
+    Labels {
+        selector: Selector,
+        kinds: Vec<Kind>,
+    },
     Nothing,
 }
 

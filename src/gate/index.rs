@@ -522,7 +522,9 @@ impl GateIndex {
     /// The workload a pod belongs to, through its controller.
     fn workload_of(&self, pod: &PodFacts) -> Option<WorkloadKey> {
         match pod.owner.as_ref()? {
-            PodOwner::StatefulSet(name) => Some(WorkloadKey::new(Kind::StatefulSet, pod.namespace.clone(), name.clone())),
+            PodOwner::StatefulSet(name) => {
+                Some(WorkloadKey::new(Kind::StatefulSet, pod.namespace.clone(), name.clone()))
+            }
             PodOwner::ReplicaSet(name) => {
                 self.replica_sets.get(&ObjectKey::new(pod.namespace.clone(), name.clone())).cloned().flatten()
             }
@@ -870,7 +872,9 @@ impl GateIndex {
                 counts: false,
             };
             let vote = match (&policy.facts.plan, &policy.binding) {
-                (Err(why), _) => hold(GateReason::PolicyInvalid, format!("QueuePolicy '{}' is invalid: {why}", key.name)),
+                (Err(why), _) => {
+                    hold(GateReason::PolicyInvalid, format!("QueuePolicy '{}' is invalid: {why}", key.name))
+                }
                 (Ok(plan), _) if plan.mode == GateMode::Observe => continue,
                 (Ok(_), Err(why)) => hold(GateReason::WaitingForQueues, format!("its queue is not bound yet: {why}")),
                 (Ok(plan), Ok(b)) => {

@@ -2,6 +2,7 @@
 //! and policy wake-ups out. No API server, no broker, no sleeps.
 
 use super::*;
+use crate::workload::{Object, owner::PodOwner};
 use crate::{
     consumers::Change,
     crd::FailurePolicy,
@@ -11,7 +12,6 @@ use crate::{
     },
     names::GATE_CONDITION,
 };
-use crate::workload::{Object, owner::PodOwner};
 use k8s_openapi::{
     api::apps::v1::{Deployment, DeploymentSpec},
     apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
@@ -176,7 +176,8 @@ fn two_policies_and_a_worker_attached_to_one_queue_stay_closed_without_a_single_
     // before the watch shows the condition and after.
     for now in (NOW..NOW + 10_000).step_by(100) {
         i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
-        let seen = if now < NOW + 5_000 { pod("worker-1", "10.0.0.1") } else { written(pod("worker-1", "10.0.0.1"), first) };
+        let seen =
+            if now < NOW + 5_000 { pod("worker-1", "10.0.0.1") } else { written(pod("worker-1", "10.0.0.1"), first) };
         i.upsert_pod(seen, now);
         assert_eq!(flush(&mut i, &b, now), vec![]);
     }
@@ -246,7 +247,10 @@ fn a_fresh_consumer_waits_out_min_attached_seconds_on_a_timer() {
     b.attach("orders", "10.0.0.1", NOW - 2_000);
     i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
     let patches = flush(&mut i, &b, NOW);
-    assert_eq!(patches.iter().map(|p| (p.attached, p.reason)).collect::<Vec<_>>(), [(false, GateReason::AttachedTooRecently)]);
+    assert_eq!(
+        patches.iter().map(|p| (p.attached, p.reason)).collect::<Vec<_>>(),
+        [(false, GateReason::AttachedTooRecently)]
+    );
     assert_eq!(i.next_due(), Some(NOW + 3_000));
     i.tick(NOW + 2_999);
     assert_eq!(flush(&mut i, &b, NOW + 2_999), vec![]);
@@ -409,7 +413,11 @@ fn nothing_is_written_before_every_watch_has_synced() {
     i.mark_all();
     let patches = flush(&mut i, &b, NOW);
     let [first] = patches.as_slice() else { panic!("{patches:?}") };
-    assert_eq!((first.attached, first.reason), (false, GateReason::WaitingForQueues), "guarded, its queue not bound yet");
+    assert_eq!(
+        (first.attached, first.reason),
+        (false, GateReason::WaitingForQueues),
+        "guarded, its queue not bound yet"
+    );
     assert!(first.message.contains("not reconciled yet"), "{}", first.message);
 }
 
@@ -604,4 +612,3 @@ fn pods_find_their_statefulset_and_their_rollout_through_owner_references() {
     let patches = flush(&mut i, &b, NOW);
     assert!(matches!(patches.as_slice(), [p] if p.pod == "canary-6f7-x" && p.first && !p.attached), "{patches:?}");
 }
-

@@ -159,8 +159,9 @@ pub fn report(plan: &GatePlan, view: &PolicyView, previous: Option<RolloutPhase>
             Judgement::Fixable { why, done, .. } if plan.manage_strategy && enforce => {
                 fixing.push(format!("{who}: {why}; {done}"))
             }
-            Judgement::Fixable { why, .. } => unsafe_reasons
-                .push(format!("{who}: {why} (set gate.manageStrategy: true to let queueguard fix it)")),
+            Judgement::Fixable { why, .. } => {
+                unsafe_reasons.push(format!("{who}: {why} (set gate.manageStrategy: true to let queueguard fix it)"))
+            }
             Judgement::Unsafe { why, remedy } => unsafe_reasons.push(format!("{who}: {why}; {remedy}")),
             Judgement::Invalid(e) => unsafe_reasons.push(format!("{who}: {e}")),
         }
@@ -289,9 +290,7 @@ fn budget_observations(view: &PolicyView) -> Vec<DisruptionBudgetObservation> {
                 });
                 seen.push(observe(want.metadata.name.clone().unwrap_or_default(), BudgetOwner::Managed, min));
             }
-            Budget::Foreign(names) => {
-                seen.extend(names.iter().map(|n| observe(n.clone(), BudgetOwner::Foreign, None)))
-            }
+            Budget::Foreign(names) => seen.extend(names.iter().map(|n| observe(n.clone(), BudgetOwner::Foreign, None))),
             Budget::None => {}
         }
     }

@@ -119,7 +119,10 @@ mod tests {
         assert_eq!(pdb.metadata.name.as_deref(), Some("worker-queueguard"));
         assert_eq!(pdb.metadata.namespace.as_deref(), Some("shop"));
         let labels = pdb.metadata.labels.as_ref().unwrap();
-        assert_eq!((labels[MANAGED_BY.0].as_str(), labels["queueguard.io/deployment"].as_str()), (MANAGED_BY.1, "worker"));
+        assert_eq!(
+            (labels[MANAGED_BY.0].as_str(), labels["queueguard.io/deployment"].as_str()),
+            (MANAGED_BY.1, "worker")
+        );
         let spec = pdb.spec.as_ref().unwrap();
         assert_eq!(spec.min_available, Some(IntOrString::Int(2)));
         assert_eq!(spec.selector, worker.spec.as_ref().map(|s| s.selector.clone()));

@@ -1,6 +1,12 @@
 //! Pods and their consumers: what the gate needs to know of a pod, and which consumer is whose.
 
-use crate::{consumers::Consumer, crd::MatchBy, names::GATE_CONDITION, status::Truth, workload::owner::{PodOwner, pod_owner}};
+use crate::{
+    consumers::Consumer,
+    crd::MatchBy,
+    names::GATE_CONDITION,
+    status::Truth,
+    workload::owner::{PodOwner, pod_owner},
+};
 use k8s_openapi::{api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::Time};
 
 /// Broker and Kubernetes clocks differ; a consumer whose connection opened up to this long

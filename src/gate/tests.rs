@@ -112,7 +112,8 @@ fn run(
     index.replace_budgets(vec![]);
     index.replace_pods(pods.to_vec(), NOW);
     let seen = Seen(consumers.to_vec(), tracking);
-    let (patches, writes) = index.flush(&seen, NOW).writes.into_iter().partition::<Vec<_>, _>(|w| matches!(w, Write::Condition(_)));
+    let (patches, writes) =
+        index.flush(&seen, NOW).writes.into_iter().partition::<Vec<_>, _>(|w| matches!(w, Write::Condition(_)));
     let patches = patches
         .into_iter()
         .filter_map(|w| match w {
@@ -196,8 +197,11 @@ fn a_detached_consumer_closes_the_gate_and_moves_the_transition_time() {
 #[test]
 fn a_closed_gate_is_not_patched_again_while_it_stays_closed() {
     let mut waiting = pod(1);
-    waiting.condition =
-        Some(GateCondition { status: false, reason: GateReason::WaitingForConsumer.as_str().into(), since_ms: NOW - 9_000 });
+    waiting.condition = Some(GateCondition {
+        status: false,
+        reason: GateReason::WaitingForConsumer.as_str().into(),
+        since_ms: NOW - 9_000,
+    });
     let d = run(&plan(), &[deployment(1)], &[waiting], &[consumer_from(1, NOW - 1_000)], Tracking::Events);
     assert!(d.patches.is_empty(), "NoConsumer to AttachedTooRecently is no flip");
     assert_eq!(d.report.rollout.waiting_pods[0].since.as_ref().unwrap().0.as_millisecond(), NOW - 1_000);
@@ -404,8 +408,11 @@ fn a_pod_whose_consumer_left_waits_from_that_moment_not_from_its_start() {
     assert_eq!(d.patches.len(), 1, "closed now");
     let mut closed_long_ago = pod(2);
     closed_long_ago.containers_ready_since_ms = Some(NOW - 86_400_000);
-    closed_long_ago.condition =
-        Some(GateCondition { status: false, reason: GateReason::WaitingForConsumer.as_str().into(), since_ms: NOW - 700_000 });
+    closed_long_ago.condition = Some(GateCondition {
+        status: false,
+        reason: GateReason::WaitingForConsumer.as_str().into(),
+        since_ms: NOW - 700_000,
+    });
     let d = run(&plan(), &[deployment(1)], &[closed_long_ago.clone()], &[], Tracking::Events);
     assert_eq!(d.report.rollout.phase, RolloutPhase::Stalled);
     closed_long_ago.condition.as_mut().unwrap().since_ms = NOW - 10_000;

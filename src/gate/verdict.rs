@@ -199,7 +199,10 @@ pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
         return Verdict {
             open: None,
             reason: *reason,
-            message: format!("waiting for {}", held.iter().map(|(q, _, m)| format!("{q}: {m}")).collect::<Vec<_>>().join("; ")),
+            message: format!(
+                "waiting for {}",
+                held.iter().map(|(q, _, m)| format!("{q}: {m}")).collect::<Vec<_>>().join("; ")
+            ),
             waiting_for: held.iter().map(|(q, ..)| q.to_string()).collect(),
         };
     }

@@ -409,7 +409,9 @@ impl Sim {
         let mut patches = Vec::new();
         for write in effects.writes {
             match write {
-                Write::Strategy(fix) => self.strategy = serde_json::from_value(fix.body["spec"]["strategy"].clone()).ok(),
+                Write::Strategy(fix) => {
+                    self.strategy = serde_json::from_value(fix.body["spec"]["strategy"].clone()).ok()
+                }
                 Write::Condition(patch) => patches.push(patch),
                 Write::ApplyBudget { .. } | Write::DeleteBudget { .. } => {}
             }

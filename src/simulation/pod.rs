@@ -1,13 +1,13 @@
 //! One simulated consumer pod: boots, attaches a real consumer, acknowledges messages, and on
 //! termination cancels its consumer, finishes what it holds, and closes.
 
-use crate::{sync::lock, workload::owner::PodOwner};
 use super::Scenario;
 use crate::{
     broker::uri::BrokerUri,
     consumers::tracker::now_ms,
     gate::pods::{GateCondition, PodFacts},
 };
+use crate::{sync::lock, workload::owner::PodOwner};
 use futures::StreamExt;
 use futures::stream::SelectAll;
 use lapin::{

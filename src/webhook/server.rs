@@ -152,7 +152,8 @@ async fn guarding_policies(state: &Admission, request: &AdmissionRequest<Pod>) -
     }
     let Some(workload) = workload_of(&state.client, ns, &owner).await else { return vec![] };
     let labels = if needs_workload_labels(&enforcing) { labels_of(&state.client, &workload).await } else { None };
-    let names: Vec<String> = guarding(&enforcing, &workload, labels.as_ref()).into_iter().map(|p| p.name_any()).collect();
+    let names: Vec<String> =
+        guarding(&enforcing, &workload, labels.as_ref()).into_iter().map(|p| p.name_any()).collect();
     policies.into_iter().filter(|p| p.namespace().as_deref() == Some(ns) && names.contains(&p.name_any())).collect()
 }
 
@@ -178,11 +179,19 @@ async fn workload_of(client: &Client, ns: &str, owner: &PodOwner) -> Option<Work
 async fn labels_of(client: &Client, w: &WorkloadKey) -> Option<std::collections::BTreeMap<String, String>> {
     let (ns, name) = (w.namespace.as_str(), w.name.as_str());
     let read = async {
-        let labels = |m: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>| m.map(|m| m.labels.unwrap_or_default());
+        let labels = |m: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>| {
+            m.map(|m| m.labels.unwrap_or_default())
+        };
         Ok::<_, kube::Error>(match w.kind {
-            Kind::Deployment => labels(Api::<Deployment>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata)),
-            Kind::StatefulSet => labels(Api::<StatefulSet>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata)),
-            Kind::Rollout => labels(Api::<Rollout>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata)),
+            Kind::Deployment => labels(
+                Api::<Deployment>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata),
+            ),
+            Kind::StatefulSet => labels(
+                Api::<StatefulSet>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata),
+            ),
+            Kind::Rollout => {
+                labels(Api::<Rollout>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata))
+            }
         })
     };
     match tokio::time::timeout(LOOKUP_TIMEOUT, read).await {

@@ -137,11 +137,8 @@ impl Workload {
         let meta = object.meta_mut();
         meta.managed_fields = None;
         meta.resource_version = None;
-        let key = WorkloadKey::new(
-            kind,
-            meta.namespace.clone().unwrap_or_default(),
-            meta.name.clone().unwrap_or_default(),
-        );
+        let key =
+            WorkloadKey::new(kind, meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default());
         Self { key, labels: meta.labels.clone().unwrap_or_default(), object: Arc::new(object) }
     }
 
@@ -204,7 +201,9 @@ impl Workload {
                 let status = s.status.as_ref();
                 let updated = status.and_then(|s| s.updated_replicas).unwrap_or(0);
                 let revisions_differ = status.is_some_and(|s| {
-                    s.update_revision.is_some() && s.current_revision.is_some() && s.update_revision != s.current_revision
+                    s.update_revision.is_some()
+                        && s.current_revision.is_some()
+                        && s.update_revision != s.current_revision
                 });
                 !generation_seen(s.metadata.generation, status.and_then(|s| s.observed_generation))
                     || revisions_differ

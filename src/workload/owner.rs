@@ -76,10 +76,7 @@ mod tests {
         let job = meta("shop", &[("batch/v1", "Job", "migrate", Some(true))]);
         assert_eq!(pod_owner(&job), None);
         assert_eq!(pod_owner(&ObjectMeta::default()), None, "a bare pod belongs to no workload");
-        let two = meta(
-            "shop",
-            &[("v1", "ConfigMap", "x", None), ("apps/v1", "StatefulSet", "shard", Some(true))],
-        );
+        let two = meta("shop", &[("v1", "ConfigMap", "x", None), ("apps/v1", "StatefulSet", "shard", Some(true))]);
         assert_eq!(pod_owner(&two), Some(PodOwner::StatefulSet("shard".into())), "the controller reference wins");
     }
 

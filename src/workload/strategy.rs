@@ -53,7 +53,11 @@ pub fn scaled(value: &IntOrString, total: i32, round_up: bool) -> Result<i32, St
 
 /// maxSurge and maxUnavailable (each defaulting to 25%) against `replicas`; never both zero, as
 /// neither the Deployment nor the Rollout controller would make progress.
-fn resolve(surge: Option<&IntOrString>, unavailable: Option<&IntOrString>, replicas: i32) -> Result<Fenceposts, String> {
+fn resolve(
+    surge: Option<&IntOrString>,
+    unavailable: Option<&IntOrString>,
+    replicas: i32,
+) -> Result<Fenceposts, String> {
     let default = IntOrString::String("25%".into());
     let max_surge = scaled(surge.unwrap_or(&default), replicas, true).map_err(|e| format!("maxSurge: {e}"))?;
     let mut max_unavailable =
@@ -71,8 +75,12 @@ pub fn fenceposts(deployment: &Deployment) -> Result<Option<Fenceposts>, String>
         return Ok(None);
     }
     let rolling = strategy.and_then(|s| s.rolling_update.as_ref());
-    resolve(rolling.and_then(|r| r.max_surge.as_ref()), rolling.and_then(|r| r.max_unavailable.as_ref()), replicas(deployment))
-        .map(Some)
+    resolve(
+        rolling.and_then(|r| r.max_surge.as_ref()),
+        rolling.and_then(|r| r.max_unavailable.as_ref()),
+        replicas(deployment),
+    )
+    .map(Some)
 }
 
 /// spec.replicas, defaulting to 1 as the API server does.
@@ -202,7 +210,11 @@ pub fn judge_rollout(rollout: &Rollout, min_attached: i32) -> Judgement {
             Err((why, surge)) => {
                 let mut fix = identity("argoproj.io/v1alpha1", "Rollout", &rollout.metadata);
                 fix["spec"] = json!({"strategy": {"canary": {"maxUnavailable": 0, "maxSurge": surge}}});
-                Judgement::Fixable { why: format!("canary: {why}"), fix, done: "patched the canary to maxUnavailable 0" }
+                Judgement::Fixable {
+                    why: format!("canary: {why}"),
+                    fix,
+                    done: "patched the canary to maxUnavailable 0",
+                }
             }
         };
     }
@@ -367,7 +379,8 @@ mod tests {
             json!("50%"),
             "a surge that allows progress is kept"
         );
-        let Judgement::Fixable { fix: patch, .. } = judge_deployment(&deployment(Some(3), rolling(Some("0"), Some("1"))), 3)
+        let Judgement::Fixable { fix: patch, .. } =
+            judge_deployment(&deployment(Some(3), rolling(Some("0"), Some("1"))), 3)
         else {
             panic!()
         };
@@ -432,7 +445,10 @@ mod tests {
         );
         // Argo's defaults are 25%/25%: of 4 replicas one may go, which leaves 3.
         assert!(matches!(judge_rollout(&rollout("{replicas: 4, strategy: {canary: {}}}"), 3), Judgement::Safe { .. }));
-        assert!(matches!(judge_rollout(&rollout("{replicas: 4, strategy: {canary: {}}}"), 4), Judgement::Fixable { .. }));
+        assert!(matches!(
+            judge_rollout(&rollout("{replicas: 4, strategy: {canary: {}}}"), 4),
+            Judgement::Fixable { .. }
+        ));
         let safe = rollout("{replicas: 1, strategy: {canary: {maxUnavailable: 0, maxSurge: 1}}}");
         assert_eq!(judge_rollout(&safe, 1), Judgement::Safe { note: None });
         assert!(matches!(judge_rollout(&rollout("{replicas: 1, strategy: {}}"), 1), Judgement::Invalid(_)));
@@ -448,6 +464,8 @@ mod tests {
         let Judgement::Fixable { fix, .. } = judge_rollout(&wide, 2) else { panic!() };
         assert_eq!(fix["spec"], json!({"strategy": {"blueGreen": {"maxUnavailable": 1}}}));
         let single = rollout("{replicas: 1, strategy: {blueGreen: {activeService: w}}}");
-        assert!(matches!(judge_rollout(&single, 1), Judgement::Unsafe { remedy, .. } if remedy == "run at least 2 replicas"));
+        assert!(
+            matches!(judge_rollout(&single, 1), Judgement::Unsafe { remedy, .. } if remedy == "run at least 2 replicas")
+        );
     }
 }
