@@ -172,7 +172,7 @@ pub fn judge_stateful_set(set: &StatefulSet, min_attached: i32) -> Judgement {
         },
     };
     if replicas - unavailable < min_attached {
-        let remedy = if replicas - 1 >= min_attached {
+        let remedy = if replicas > min_attached {
             format!("lower updateStrategy.rollingUpdate.maxUnavailable to {}", replicas - min_attached)
         } else {
             format!("run at least {} replicas", min_attached + 1)
@@ -235,7 +235,7 @@ pub fn judge_rollout(rollout: &Rollout, min_attached: i32) -> Judgement {
     let why = format!(
         "blueGreen: a restart takes {unavailable} of {replicas} pods down at a time without surge, leaving fewer than minAttached {min_attached} consumers"
     );
-    if replicas - 1 >= min_attached {
+    if replicas > min_attached {
         let mut fix = identity("argoproj.io/v1alpha1", "Rollout", &rollout.metadata);
         fix["spec"] = json!({"strategy": {"blueGreen": {"maxUnavailable": 1}}});
         Judgement::Fixable { why, fix, done: "patched blueGreen.maxUnavailable to 1" }
