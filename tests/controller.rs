@@ -434,10 +434,11 @@ async fn declared(p: &QueuePolicy) -> queueguard::plan::QueuePlan {
     plan
 }
 
-/// The gate's writes, exactly: the one writer patches the pod condition (strategic merge on
-/// pods/status with the UID precondition) and tells the pod in an Event as soon as the consumer
-/// is seen; the policy's reconcile reads everything from the watches (no GET or LIST), patches
-/// the Deployment strategy, applies the Deployment's one PDB, then writes status and Events.
+/// The gate's writes, exactly: once the watches have synced, the one writer tells the new pod
+/// why it waits, applies the Deployment's safe strategy and its one PDB (server-side apply under
+/// the operator's field manager); bound to its queue, it opens the pod's condition as soon as the
+/// consumer is seen and tells the pod in an Event. The policy's reconcile reads everything from
+/// the watches (no GET or LIST) and writes only status and Events.
 #[tokio::test]
 async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_it_when_it_leaves() {
     let name = unique("ctrl-gate");
@@ -456,6 +457,42 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&key).len() == 1 }).await);
     watched(&ctx, &[&p], &[worker_deployment(json!({"type": "Recreate"}))], &[worker_pod(None)], &[]);
 
+    // Synced, not bound yet: the pod says why it waits; the Deployment and its budget are made safe.
+    let first = expect_first_condition(&mut api, "WaitingForQueues").await;
+    assert!(first["message"].as_str().unwrap().contains("not reconciled yet"), "{first}");
+    let strategy = api.expect("PATCH", "/apis/apps/v1/namespaces/test/deployments/worker").await;
+    assert_eq!(strategy.content_type, "application/apply-patch+yaml");
+    assert!(strategy.query.contains("fieldManager=queueguard") && strategy.query.contains("force=true"));
+    assert_eq!(
+        strategy.body,
+        json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "worker", "namespace": "test"},
+               "spec": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}}}),
+        "the strategy's fields and nothing else"
+    );
+    strategy.respond(StatusCode::OK, &worker_deployment(json!({"type": "RollingUpdate"})));
+    let writes = expect_unordered(
+        &mut api,
+        &[
+            ("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/worker-queueguard"),
+            ("POST", "/apis/events.k8s.io/v1/namespaces/test/events"),
+        ],
+    )
+    .await;
+    let (pdb_call, pdb) = writes.iter().find(|(c, _)| c.starts_with("PATCH")).unwrap();
+    assert!(pdb_call.contains("fieldManager=queueguard") && pdb_call.contains("application/apply-patch+yaml"));
+    // One replica: minAvailable 1 would block every drain of its node for good (pdb::drainable).
+    assert_eq!(pdb["spec"], json!({"minAvailable": 0, "selector": {"matchLabels": {"app": "worker"}}}));
+    assert_eq!(pdb["metadata"]["labels"]["queueguard.io/deployment"], "worker");
+    let owner = &pdb["metadata"]["ownerReferences"][0];
+    assert_eq!((owner["kind"].as_str(), owner["name"].as_str()), (Some("QueuePolicy"), Some(name.as_str())));
+    let (_, event) = writes.iter().find(|(c, _)| c.starts_with("POST")).unwrap();
+    assert_eq!(
+        (event["reason"].as_str(), event["regarding"]["kind"].as_str()),
+        (Some("StrategyPatched"), Some("QueuePolicy"))
+    );
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("False"))).unwrap()));
+
     // Bound to its queue (what the reconcile does first), the pod's consumer is seen at once.
     ctx.gate.bind(&ObjectKey::of(&p), Ok(watch(&tracker, &key)));
     let written = expect_pod_condition(&mut api, "True", "ConsumerAttached").await;
@@ -467,25 +504,6 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     let n = name.clone();
     let server = tokio::spawn(async move {
         api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
-        let call = api.expect("PATCH", "/apis/apps/v1/namespaces/test/deployments/worker").await;
-        assert_eq!(call.content_type, "application/strategic-merge-patch+json");
-        assert_eq!(
-            call.body,
-            json!({"spec": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}}})
-        );
-        call.respond(StatusCode::OK, &worker_deployment(json!({"type": "RollingUpdate"})));
-
-        let call = api.expect("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/worker-queueguard").await;
-        assert_eq!(call.content_type, "application/apply-patch+yaml");
-        assert!(call.query.contains("fieldManager=queueguard") && call.query.contains("force=true"));
-        // One replica: minAvailable 1 would block every drain of its node for good (pdb::drainable).
-        assert_eq!(call.body["spec"], json!({"minAvailable": 0, "selector": {"matchLabels": {"app": "worker"}}}));
-        assert_eq!(call.body["metadata"]["labels"]["queueguard.io/deployment"], "worker");
-        let owner = &call.body["metadata"]["ownerReferences"][0];
-        assert_eq!((owner["kind"].as_str(), owner["name"].as_str()), (Some("QueuePolicy"), Some(n.as_str())));
-        let pdb = call.body.clone();
-        call.respond(StatusCode::OK, &pdb);
-
         let (status, call) = api.expect_status_patch(&n).await;
         assert_eq!(status["consumers"]["attached"], 1);
         assert_eq!(status["consumers"]["expected"], 1);
@@ -494,7 +512,7 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
         assert_eq!(status["rollout"]["phase"], "Idle");
         assert_eq!(
             status["disruptionBudgets"],
-            json!([{"deployment": "worker", "name": "worker-queueguard", "owner": "Managed", "minAvailable": 0}])
+            json!([{"kind": "Deployment", "workload": "worker", "name": "worker-queueguard", "owner": "Managed", "minAvailable": 0}])
         );
         assert_eq!(condition(&status, "ConsumersAttached")["reason"], "Attached");
         assert_eq!(condition(&status, "RolloutSafe")["reason"], "RolloutGuarded");
@@ -506,15 +524,15 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
             ("PolicyApplied", "Normal"),
             ("Attached", "Normal"),
             ("RolloutGuarded", "Normal"),
-            ("StrategyPatched", "Normal"),
         ] {
             api.expect_event(reason, kind).await;
         }
-        (api, status, pdb)
+        (api, status)
     });
     run(p.clone(), ctx.clone()).await.unwrap();
-    let (mut api, status, pdb) = server.await.unwrap();
-    ctx.gate.on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<PodDisruptionBudget>(pdb).unwrap()));
+    let (mut api, status) = server.await.unwrap();
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<PodDisruptionBudget>(pdb.clone()).unwrap()));
     ctx.gate.on(&kube::runtime::watcher::Event::Apply(
         serde_json::from_value::<Deployment>(worker_deployment(
             json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}),
@@ -525,7 +543,7 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     // The consumer leaves: the writer closes the gate at once, no reconcile needed.
     drop(consumer);
     ch.basic_cancel("worker-ctag".into(), Default::default()).await.unwrap();
-    expect_pod_condition(&mut api, "False", "NoConsumer").await;
+    expect_pod_condition(&mut api, "False", "WaitingForConsumer").await;
     ctx.gate
         .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("False"))).unwrap()));
 
@@ -553,9 +571,10 @@ async fn the_gate_opens_a_pods_condition_when_its_consumer_attaches_and_closes_i
     remove_all(&plan).await;
 }
 
-/// A worker reading two queues, each guarded by its own policy: attached to one, its condition
-/// is never written (not one flip while both policies and the consumers change); attached to
-/// both, it is written True once.
+/// A worker reading two queues, each guarded by its own policy: its unsafe strategy and its
+/// budget are written once for both; its first condition says why it waits; attached to one
+/// queue, its condition is not written again (not one flip while both policies and the
+/// consumers change); attached to both, it is written True once.
 #[tokio::test]
 async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     let (ctx, mut api) = harness();
@@ -570,10 +589,28 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     watched(
         &ctx,
         &[&pa, &pb],
-        &[worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}))],
+        &[worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}))],
         &[worker_pod(None)],
         &[],
     );
+    let first = expect_first_condition(&mut api, "WaitingForQueues").await;
+    let message = first["message"].as_str().unwrap();
+    assert!(message.contains(&orders) && message.contains(&events), "both policies named: {message}");
+    // One strategy write and one budget for two policies, and an Event on each policy.
+    let writes = expect_unordered(
+        &mut api,
+        &[
+            ("PATCH", "/apis/apps/v1/namespaces/test/deployments/worker"),
+            ("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/worker-queueguard"),
+            ("POST", "/apis/events.k8s.io/v1/namespaces/test/events"),
+            ("POST", "/apis/events.k8s.io/v1/namespaces/test/events"),
+        ],
+    )
+    .await;
+    let (_, pdb) = writes.iter().find(|(c, _)| c.contains("poddisruptionbudgets")).unwrap();
+    assert_eq!(pdb["metadata"]["ownerReferences"].as_array().unwrap().len(), 2, "owned by both policies");
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("False"))).unwrap()));
     let (ka, kb) =
         (queueguard::consumers::QueueKey::new("/", &orders), queueguard::consumers::QueueKey::new("/", &events));
     ctx.gate.bind(&ObjectKey::of(&pa), Ok(watch(&tracker, &ka)));
@@ -593,7 +630,9 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
             .unwrap();
         drop(c);
         ch2.basic_cancel(tag.as_str().into(), Default::default()).await.unwrap();
-        ctx.gate.on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(None)).unwrap()));
+        ctx.gate.on(&kube::runtime::watcher::Event::Apply(
+            serde_json::from_value::<Pod>(worker_pod(Some("False"))).unwrap(),
+        ));
     }
     expect_silence(&mut api, Duration::from_millis(1500)).await;
     let view = ctx.gate.view(&ObjectKey::of(&pa)).unwrap();
@@ -637,7 +676,7 @@ async fn no_budget_is_created_beside_anothers_and_status_says_whose_it_is() {
         let (status, call) = api.expect_status_patch(&n).await;
         assert_eq!(
             status["disruptionBudgets"],
-            json!([{"deployment": "worker", "name": "team-budget", "owner": "Foreign"}])
+            json!([{"kind": "Deployment", "workload": "worker", "name": "team-budget", "owner": "Foreign"}])
         );
         call.respond(StatusCode::OK, &echo);
         for (reason, kind) in [

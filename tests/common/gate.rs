@@ -106,3 +106,37 @@ pub async fn expect_pod_condition(api: &mut ApiServer, status: &str, reason: &st
     call.respond(StatusCode::CREATED, &event);
     conditions[0].clone()
 }
+
+/// A new gated pod's first condition: False with `reason`, written at once, with no Event.
+pub async fn expect_first_condition(api: &mut ApiServer, reason: &str) -> Value {
+    let call = api.expect("PATCH", "/api/v1/namespaces/test/pods/worker-abc-1/status").await;
+    assert_eq!(call.content_type, "application/strategic-merge-patch+json");
+    assert_eq!(call.body["metadata"], json!({"uid": "pod-uid-1"}));
+    let condition = call.body["status"]["conditions"][0].clone();
+    assert_eq!((condition["status"].as_str(), condition["reason"].as_str()), (Some("False"), Some(reason)));
+    call.respond(StatusCode::OK, &worker_pod(Some("False")));
+    condition
+}
+
+/// The writer's requests that may come in any order (an Event is published beside the next
+/// write), each checked against one of `expected` (method, path), answered with its own body.
+pub async fn expect_unordered(api: &mut ApiServer, expected: &[(&str, &str)]) -> Vec<(String, Value)> {
+    let mut left: Vec<(&str, &str)> = expected.to_vec();
+    let mut seen = Vec::new();
+    while !left.is_empty() {
+        let call = api
+            .next(std::time::Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("expected {left:?}, but no request came"));
+        let at = left
+            .iter()
+            .position(|(m, p)| *m == call.method && *p == call.path)
+            .unwrap_or_else(|| panic!("unexpected {} {} (expected one of {left:?})", call.method, call.path));
+        left.remove(at);
+        let status = if call.method == "POST" { StatusCode::CREATED } else { StatusCode::OK };
+        let body = call.body.clone();
+        seen.push((format!("{} {}?{} {}", call.method, call.path, call.query, call.content_type), body.clone()));
+        call.respond(status, &body);
+    }
+    seen
+}
