@@ -14,7 +14,7 @@ use crate::{
     settings::POLICY_PRIORITY,
     workload::{Judgement, Object, Workload, strategy},
 };
-use k8s_openapi::{api::core::v1::PodSpec, apimachinery::pkg::util::intstr::IntOrString};
+use k8s_openapi::api::core::v1::PodSpec;
 use kube::core::SelectorExt;
 use std::{collections::BTreeMap, time::Duration};
 
@@ -553,23 +553,7 @@ pub fn rollout_estimate(w: &Workload, min_attached: Duration) -> Option<RolloutE
     if replicas <= 0 {
         return None;
     }
-    let per_step = match &*w.object {
-        Object::Deployment(d) => strategy::fenceposts(d).ok()?.map(|fp| fp.max_surge),
-        Object::StatefulSet(s) => {
-            let rolling = s.spec.as_ref()?.update_strategy.as_ref().and_then(|u| u.rolling_update.as_ref());
-            match rolling.and_then(|r| r.max_unavailable.as_ref()) {
-                Some(v) => Some(strategy::scaled(v, replicas, true).ok()?.max(1)),
-                None => Some(1),
-            }
-        }
-        Object::Rollout(r) => match &r.spec.strategy.canary {
-            Some(c) => Some(
-                strategy::scaled(c.max_surge.as_ref().unwrap_or(&IntOrString::String("25%".into())), replicas, true)
-                    .ok()?,
-            ),
-            None => None,
-        },
-    };
+    let per_step = strategy::per_step(&w.object).ok()?;
     let steps = match per_step {
         Some(surge) => replicas.unsigned_abs().div_ceil(surge.max(1).unsigned_abs()),
         None => 1,

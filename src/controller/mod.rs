@@ -57,9 +57,7 @@ use std::{
 };
 use tokio::sync::mpsc;
 
-pub const FINALIZER: &str = "queueguard.io/cleanup";
-/// The one field manager that owns `.status`.
-pub const FIELD_MANAGER: &str = "queueguard";
+pub use crate::names::{FIELD_MANAGER, FINALIZER};
 const DELETION_RETRY: Duration = Duration::from_secs(30);
 /// How often the consumer hygiene findings look at a queue: short enough for counters to show
 /// trends, long enough that a thousand policies cost a few management API reads a second.
@@ -82,7 +80,9 @@ pub enum Error {
     LeadershipLost,
     #[error("gave up the leader lease: the pod-condition writer has had no answer from the API server for {0:?}")]
     WriterStalled(Duration),
-    #[error("the gate's watches (QueuePolicies, Deployments, Pods, PodDisruptionBudgets) have not synced yet")]
+    #[error(
+        "the gate's watches (QueuePolicies, Deployments, StatefulSets, Rollouts, ReplicaSets, Pods, PodDisruptionBudgets) have not synced yet"
+    )]
     NotSynced,
     #[error("--leader-election needs this replica's name: set POD_NAME or --pod-name")]
     MissingPodName,

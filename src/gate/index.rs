@@ -611,19 +611,19 @@ impl GateIndex {
             return;
         }
         let namespace = facts.key.namespace.clone();
-        let old = self.budgets.insert(facts.key.clone(), facts);
-        self.budget_changed(&namespace, old);
+        self.budgets.insert(facts.key.clone(), facts);
+        self.budget_changed(&namespace);
     }
 
     pub fn remove_budget(&mut self, key: &ObjectKey) {
-        if let Some(old) = self.budgets.remove(key) {
-            self.budget_changed(&key.namespace, Some(old));
+        if self.budgets.remove(key).is_some() {
+            self.budget_changed(&key.namespace);
         }
     }
 
     /// A budget can be any guarded workload's of its namespace (its own, or someone else's over
     /// the same pods).
-    fn budget_changed(&mut self, namespace: &str, _old: Option<BudgetFacts>) {
+    fn budget_changed(&mut self, namespace: &str) {
         let guarded: Vec<WorkloadKey> = self
             .guarded_by
             .iter()
@@ -946,25 +946,13 @@ impl GateIndex {
         let budget = self.budget_write(key);
         let sent = self.writes.entry(key.clone()).or_default();
         let mut out = Vec::new();
-        match fix {
-            Some(fix) if sent.strategy.as_ref() != Some(&fix.body) => {
-                sent.strategy = Some(fix.body.clone());
-                out.push(Write::Strategy(fix));
-            }
-            Some(_) => {}
-            None => sent.strategy = None,
+        if let Some(fix) = unsent(&mut sent.strategy, fix.as_ref().map(|f| f.body.clone())).and(fix) {
+            out.push(Write::Strategy(fix));
         }
-        match budget {
-            Some(write) if sent.budget.as_ref() != Some(&write) => {
-                sent.budget = Some(write.clone());
-                out.push(match write {
-                    Sent::Applied(budget) => Write::ApplyBudget { workload: key.clone(), budget },
-                    Sent::Deleted(budget) => Write::DeleteBudget { workload: key.clone(), budget },
-                });
-            }
-            Some(_) => {}
-            None => sent.budget = None,
-        }
+        out.extend(unsent(&mut sent.budget, budget).map(|write| match write {
+            Sent::Applied(budget) => Write::ApplyBudget { workload: key.clone(), budget },
+            Sent::Deleted(budget) => Write::DeleteBudget { workload: key.clone(), budget },
+        }));
         if sent.strategy.is_none() && sent.budget.is_none() {
             self.writes.remove(key);
         }
@@ -1142,6 +1130,22 @@ impl Feed {
             Kind::Deployment => Self::Deployments,
             Kind::StatefulSet => Self::StatefulSets,
             Kind::Rollout => Self::Rollouts,
+        }
+    }
+}
+
+/// What of `want` is not sent yet: it is recorded as sent and returned. A None want clears the
+/// record (the watch shows what was sent, or nothing is wanted any more).
+fn unsent<T: PartialEq + Clone>(slot: &mut Option<T>, want: Option<T>) -> Option<T> {
+    match want {
+        Some(w) if slot.as_ref() != Some(&w) => {
+            *slot = Some(w.clone());
+            Some(w)
+        }
+        Some(_) => None,
+        None => {
+            *slot = None;
+            None
         }
     }
 }

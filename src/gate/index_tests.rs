@@ -546,8 +546,7 @@ fn two_policies_fix_a_workloads_strategy_once_and_a_failed_write_is_retried() {
         (policy("events", Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(3))), "events"),
     ]);
     let b = Broker::default();
-    // The fixture's worker: 3 replicas, default strategy (maxUnavailable 25% = 0): safe for
-    // minAttached 3 only with surge, which the default gives. Recreate is not.
+    // The fixture's worker made unsafe: Recreate stops all three pods at once.
     let mut recreate = deployment("worker", &[("tier", "consumers")]);
     let Object::Deployment(d) = Arc::make_mut(&mut recreate.object) else { unreachable!() };
     d.spec.as_mut().unwrap().strategy =

@@ -179,20 +179,11 @@ async fn workload_of(client: &Client, ns: &str, owner: &PodOwner) -> Option<Work
 async fn labels_of(client: &Client, w: &WorkloadKey) -> Option<std::collections::BTreeMap<String, String>> {
     let (ns, name) = (w.namespace.as_str(), w.name.as_str());
     let read = async {
-        let labels = |m: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>| {
-            m.map(|m| m.labels.unwrap_or_default())
-        };
-        Ok::<_, kube::Error>(match w.kind {
-            Kind::Deployment => labels(
-                Api::<Deployment>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata),
-            ),
-            Kind::StatefulSet => labels(
-                Api::<StatefulSet>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata),
-            ),
-            Kind::Rollout => {
-                labels(Api::<Rollout>::namespaced(client.clone(), ns).get_metadata_opt(name).await?.map(|m| m.metadata))
-            }
-        })
+        match w.kind {
+            Kind::Deployment => metadata_labels(Api::<Deployment>::namespaced(client.clone(), ns), name).await,
+            Kind::StatefulSet => metadata_labels(Api::<StatefulSet>::namespaced(client.clone(), ns), name).await,
+            Kind::Rollout => metadata_labels(Api::<Rollout>::namespaced(client.clone(), ns), name).await,
+        }
     };
     match tokio::time::timeout(LOOKUP_TIMEOUT, read).await {
         Ok(Ok(found)) => found,
@@ -201,6 +192,17 @@ async fn labels_of(client: &Client, w: &WorkloadKey) -> Option<std::collections:
             None
         }
     }
+}
+
+/// One object's labels, through a metadata-only read; None when it does not exist.
+async fn metadata_labels<K>(
+    api: Api<K>,
+    name: &str,
+) -> Result<Option<std::collections::BTreeMap<String, String>>, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api.get_metadata_opt(name).await?.map(|m| m.metadata.labels.unwrap_or_default()))
 }
 
 /// The webhook's address and certificate.

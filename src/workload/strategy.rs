@@ -4,7 +4,7 @@
 //! (Deployments, canary and blue-green Rollouts), the owner's own change where it may not
 //! (StatefulSets).
 
-use super::rollout::Rollout;
+use super::{Object, rollout::Rollout};
 use k8s_openapi::{
     api::apps::v1::{Deployment, StatefulSet},
     apimachinery::pkg::util::intstr::IntOrString,
@@ -164,12 +164,9 @@ pub fn judge_stateful_set(set: &StatefulSet, min_attached: i32) -> Judgement {
         return Judgement::Safe { note: None };
     }
     let rolling = strategy.and_then(|s| s.rolling_update.as_ref());
-    let unavailable = match rolling.and_then(|r| r.max_unavailable.as_ref()) {
-        None => 1,
-        Some(v) => match scaled(v, replicas, true) {
-            Ok(n) => n.max(1),
-            Err(e) => return Judgement::Invalid(format!("maxUnavailable: {e}")),
-        },
+    let unavailable = match stateful_set_unavailable(set) {
+        Ok(n) => n,
+        Err(e) => return Judgement::Invalid(format!("maxUnavailable: {e}")),
     };
     if replicas - unavailable < min_attached {
         let remedy = if replicas > min_attached {
@@ -188,6 +185,33 @@ pub fn judge_stateful_set(set: &StatefulSet, min_attached: i32) -> Judgement {
         format!("partition {p}: pods with an ordinal below {p} keep the old revision until the partition is lowered")
     });
     Judgement::Safe { note }
+}
+
+/// How many pods a StatefulSet's RollingUpdate takes down at once: maxUnavailable (default 1,
+/// percentages rounded up, at least 1).
+fn stateful_set_unavailable(set: &StatefulSet) -> Result<i32, String> {
+    let spec = set.spec.as_ref();
+    let replicas = spec.and_then(|s| s.replicas).unwrap_or(1);
+    let rolling = spec.and_then(|s| s.update_strategy.as_ref()).and_then(|u| u.rolling_update.as_ref());
+    match rolling.and_then(|r| r.max_unavailable.as_ref()) {
+        None => Ok(1),
+        Some(v) => Ok(scaled(v, replicas, true)?.max(1)),
+    }
+}
+
+/// Pods a rollout replaces per step: a Deployment's or a canary's maxSurge, a StatefulSet's
+/// maxUnavailable; None where all are replaced in one step (Recreate, blue-green).
+pub fn per_step(object: &Object) -> Result<Option<i32>, String> {
+    match object {
+        Object::Deployment(d) => Ok(fenceposts(d)?.map(|fp| fp.max_surge)),
+        Object::StatefulSet(s) => stateful_set_unavailable(s).map(Some),
+        Object::Rollout(r) => match &r.spec.strategy.canary {
+            Some(c) => Ok(Some(
+                resolve(c.max_surge.as_ref(), c.max_unavailable.as_ref(), r.spec.replicas.unwrap_or(1))?.max_surge,
+            )),
+            None => Ok(None),
+        },
+    }
 }
 
 /// A canary Rollout without traffic routing scales its ReplicaSets with maxSurge and
