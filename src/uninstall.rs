@@ -5,16 +5,20 @@
 //! first (scales its Deployment to zero and waits until no pod is left, or it would add the
 //! finalizers back), then removes the finalizers. It never talks to the broker: every queue
 //! stays, including those of `deletionPolicy: Delete`, which it names. It also names the
-//! Deployments whose pod template carries the readiness gate, whose new pods would never become
-//! Ready without the operator. The chart runs it as a pre-delete hook.
+//! workloads (Deployments, StatefulSets, Argo Rollouts) whose pod template carries the readiness
+//! gate, whose new pods would never become Ready without the operator. The chart runs it as a
+//! pre-delete hook.
 
 use crate::{
-    controller::FINALIZER,
     crd::{DeletionPolicy, QueuePolicy},
-    names::GATE_CONDITION,
+    names::{FINALIZER, GATE_CONDITION},
     pattern::crd::QueuePattern,
+    workload::{Workload, rollout::Rollout},
 };
-use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod};
+use k8s_openapi::api::{
+    apps::v1::{Deployment, StatefulSet},
+    core::v1::Pod,
+};
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::{ListParams, Patch, PatchParams},
@@ -50,7 +54,7 @@ fn release<K: Resource>(kind: &'static str, object: &K) -> Option<Release> {
     })
 }
 
-pub fn plan(policies: &[QueuePolicy], patterns: &[QueuePattern], deployments: &[Deployment]) -> Plan {
+pub fn plan(policies: &[QueuePolicy], patterns: &[QueuePattern], workloads: &[Workload]) -> Plan {
     let mut plan = Plan::default();
     for p in policies {
         let Some(r) = release("QueuePolicy", p) else { continue };
@@ -78,14 +82,12 @@ pub fn plan(policies: &[QueuePolicy], patterns: &[QueuePattern], deployments: &[
         ));
         plan.release.push(r);
     }
-    for d in deployments {
-        let gates = d.spec.as_ref().and_then(|s| s.template.spec.as_ref()).and_then(|s| s.readiness_gates.as_ref());
-        let Some(at) = gates.and_then(|g| g.iter().position(|g| g.condition_type == GATE_CONDITION)) else {
-            continue;
-        };
-        let (ns, name) = (d.namespace().unwrap_or_default(), d.name_any());
+    for w in workloads {
+        let Some(at) = w.gate_position() else { continue };
+        let (kind, ns, name) = (w.key.kind.as_str(), &w.key.namespace, &w.key.name);
+        let resource = kind.to_ascii_lowercase();
         plan.notes.push(format!(
-            "Deployment {ns}/{name}: its pod template has the readiness gate {GATE_CONDITION}, which only the operator opens, so its new pods would never become Ready; remove it: kubectl -n {ns} patch deployment {name} --type=json -p '[{{\"op\":\"remove\",\"path\":\"/spec/template/spec/readinessGates/{at}\"}}]'"
+            "{kind} {ns}/{name}: its pod template has the readiness gate {GATE_CONDITION}, which only the operator opens, so its new pods would never become Ready; remove it: kubectl -n {ns} patch {resource} {name} --type=json -p '[{{\"op\":\"remove\",\"path\":\"/spec/template/spec/readinessGates/{at}\"}}]'"
         ));
     }
     plan
@@ -131,19 +133,19 @@ pub async fn run(client: Client, options: &Options, mut say: impl FnMut(&str)) -
         stop_operator(&client, ns, name, options.wait).await?;
         say(&format!("stopped the operator: Deployment {ns}/{name} has no pods"));
     }
-    let (policies, patterns, deployments) = match &options.namespace {
-        Some(ns) => (
-            list_all(&Api::<QueuePolicy>::namespaced(client.clone(), ns)).await?,
-            list_all(&Api::<QueuePattern>::namespaced(client.clone(), ns)).await?,
-            list_all(&Api::<Deployment>::namespaced(client.clone(), ns)).await?,
-        ),
-        None => (
-            list_all(&Api::<QueuePolicy>::all(client.clone())).await?,
-            list_all(&Api::<QueuePattern>::all(client.clone())).await?,
-            list_all(&Api::<Deployment>::all(client.clone())).await?,
-        ),
-    };
-    let plan = plan(&policies, &patterns, &deployments);
+    let ns = options.namespace.as_deref();
+    let policies = list_all(&scoped::<QueuePolicy>(&client, ns)).await?;
+    let patterns = list_all(&scoped::<QueuePattern>(&client, ns)).await?;
+    let mut workloads: Vec<Workload> =
+        list_all(&scoped::<Deployment>(&client, ns)).await?.into_iter().map(Workload::new).collect();
+    workloads.extend(list_all(&scoped::<StatefulSet>(&client, ns)).await?.into_iter().map(Workload::new));
+    // A cluster without Argo Rollouts serves no rollouts: none to list.
+    match list_all(&scoped::<Rollout>(&client, ns)).await {
+        Ok(rollouts) => workloads.extend(rollouts.into_iter().map(Workload::new)),
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => return Err(e.into()),
+    }
+    let plan = plan(&policies, &patterns, &workloads);
     for note in &plan.notes {
         say(&format!("note: {note}"));
     }
@@ -179,6 +181,18 @@ pub async fn run(client: Client, options: &Options, mut say: impl FnMut(&str)) -
         return Err(UninstallError::Incomplete { failed });
     }
     Ok(plan)
+}
+
+/// The API of a namespaced kind, in one namespace or in all.
+fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = kube::core::NamespaceResourceScope>,
+    <K as Resource>::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
 }
 
 /// Every object, a page at a time (a cluster's Deployments can be many).
@@ -265,7 +279,7 @@ mod tests {
             "spec": {"selector": {}, "template": {"spec": {"containers": []}}}
         }))
         .unwrap();
-        let plan = plan(&policies, &[], &[gated, plain]);
+        let plan = plan(&policies, &[], &[Workload::new(gated), Workload::new(plain)]);
         let names: Vec<(&str, usize)> = plan.release.iter().map(|r| (r.name.as_str(), r.index)).collect();
         assert_eq!(names, [("orders", 1), ("billing", 1), ("audit", 1)], "ours only, where it sits");
         assert_eq!(plan.notes.len(), 3, "{:#?}", plan.notes);

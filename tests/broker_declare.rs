@@ -644,7 +644,9 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
         // What the controller's sweep does a minute after the last reconcile on the old Secret.
         pool.sweep(rotated_at);
         trackers.sweep(rotated_at);
-        eventually(Duration::from_secs(5), || async { connections_of(&user) == 2 }).await;
+        // The management API lists a closed connection until its next statistics round (every
+        // 5 s); on a loaded machine that can take longer (seen: 3 listed after 5 s, once).
+        eventually(Duration::from_secs(15), || async { connections_of(&user) == 2 }).await;
         counts.push(connections_of(&user));
     }
     assert_eq!(counts, vec![2; 20], "connections of the rotated user after each rotation");

@@ -108,6 +108,14 @@ async fn the_operator_stops_first_then_every_finalizer_goes_and_every_queue_stay
         api.expect("GET", "/apis/apps/v1/deployments")
             .await
             .respond(StatusCode::OK, &list("DeploymentList", vec![gated]));
+        api.expect("GET", "/apis/apps/v1/statefulsets")
+            .await
+            .respond(StatusCode::OK, &list("StatefulSetList", vec![gated_shard()]));
+        // No Argo Rollouts in this cluster: its API is not served.
+        api.expect("GET", "/apis/argoproj.io/v1alpha1/rollouts").await.respond(
+            StatusCode::NOT_FOUND,
+            &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "the server could not find the requested resource"}),
+        );
         let mut patched = Vec::new();
         for (path, object) in [
             (format!("/apis/queueguard.io/v1alpha1/namespaces/test/queuepolicies/{kept_name}"), &kept_json),
@@ -150,6 +158,11 @@ async fn the_operator_stops_first_then_every_finalizer_goes_and_every_queue_stay
         "{said}"
     );
     assert!(said.contains("Deployment test/order-worker: its pod template has the readiness gate"), "{said}");
+    assert!(
+        said.contains("StatefulSet test/shard: its pod template has the readiness gate")
+            && said.contains("kubectl -n test patch statefulset shard"),
+        "{said}"
+    );
 
     // The broker was never asked for anything: both queues are there with their messages.
     for p in [&kept, &deleting] {
@@ -201,10 +214,24 @@ async fn an_operator_that_does_not_stop_keeps_its_finalizers_and_a_dry_run_chang
         api.expect("GET", "/apis/apps/v1/namespaces/test/deployments")
             .await
             .respond(StatusCode::OK, &list("DeploymentList", vec![]));
+        api.expect("GET", "/apis/apps/v1/namespaces/test/statefulsets")
+            .await
+            .respond(StatusCode::OK, &list("StatefulSetList", vec![]));
+        api.expect("GET", "/apis/argoproj.io/v1alpha1/namespaces/test/rollouts")
+            .await
+            .respond(StatusCode::OK, &list("RolloutList", vec![]));
     });
     let dry = Options { dry_run: true, ..stuck };
     let mut said = Vec::new();
     run(client, &dry, |l| said.push(l.to_owned())).await.unwrap();
     server.await.unwrap();
     assert_eq!(said, ["would remove the finalizer of QueuePolicy test/orders"], "no scale, no patch");
+}
+
+/// A StatefulSet whose pod template carries the readiness gate.
+fn gated_shard() -> serde_json::Value {
+    json!({"apiVersion": "apps/v1", "kind": "StatefulSet",
+           "metadata": {"name": "shard", "namespace": "test"},
+           "spec": {"serviceName": "shard", "selector": {}, "template": {"spec": {"containers": [],
+                    "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]}}}})
 }
