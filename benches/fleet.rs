@@ -1,12 +1,15 @@
-//! The gate at fleet scale: 1,000 Deployments of 3 pods, each guarded by one QueuePolicy, and
-//! 100 workers of 3 pods each guarded by 3 policies (1,300 policies, 1,100 Deployments, 3,300
-//! pods), through the operator's own Controller, reconcile, gate index and pod writer, with the
+//! The gate at fleet scale: 1,000 workloads of 3 pods, each guarded by one QueuePolicy, and 100
+//! workers of 3 pods each guarded by 3 policies (1,300 policies, 1,100 workloads, a third of them
+//! StatefulSets and the rest Deployments, 3,300 pods), through the operator's own Controller,
+//! reconcile, gate index and writer, with the
 //! Kubernetes API in memory (every request counted; watches replayed from what it stores) and
 //! the real broker behind them.
 //!
 //! Reports: Kubernetes requests per minute at steady state; the requests one rolling restart
-//! costs; pod condition patches per pod per rollout; the time from a consumer's attach to its
-//! pod's patch with every pod tracked; the operator's RSS. Ends with one `summary k=v` line.
+//! costs (a Deployment, a StatefulSet, a worker); pod condition patches per pod per rollout (the
+//! first False that says why a new pod waits, then one per flip); the time from a consumer's
+//! attach to its pod's gate opening with every pod tracked; the operator's RSS. Ends with one
+//! `summary k=v` line.
 //!
 //! `cargo bench --bench fleet` (QUEUEGUARD_BENCH_DEPLOYMENTS, QUEUEGUARD_BENCH_WORKERS,
 //! QUEUEGUARD_BENCH_STEADY_SECS, QUEUEGUARD_BENCH_ROLLOUTS). Consumers attach from a child
@@ -30,6 +33,7 @@ use kube::{
     Client,
     runtime::{Controller, Predicate, WatchStreamExt, predicates, reflector, watcher},
 };
+use queueguard::workload::Kind;
 use queueguard::{
     controller::{self, Context, FINALIZER},
     crd::QueuePolicy,
@@ -63,6 +67,10 @@ fn rfc3339(ms: i64) -> String {
     queueguard::consumers::output::rfc3339(ms)
 }
 
+/// When a pod's gate condition was last written True (unix µs), and how often it was written at
+/// all; kept by pod UID (a StatefulSet's pod comes back under its name).
+type Written = (Option<i64>, u32);
+
 /// What the in-memory API tells the watches.
 enum Echo {
     Policy(Box<QueuePolicy>),
@@ -81,8 +89,7 @@ struct FakeApi {
     pods: Arc<Mutex<HashMap<(String, String), Pod>>>,
     budgets: Arc<Mutex<HashMap<(String, String), String>>>,
     requests: Arc<Mutex<BTreeMap<String, u64>>>,
-    /// When each pod's gate condition was last written (unix µs), and how often, by pod name.
-    written: Arc<Mutex<HashMap<String, (i64, u32)>>>,
+    written: Arc<Mutex<HashMap<String, Written>>>,
     echo: mpsc::UnboundedSender<Echo>,
 }
 
@@ -120,10 +127,11 @@ impl FakeApi {
                     serde_json::from_value(patch["status"]["conditions"][0].clone()).unwrap();
                 let conditions = pod.status.get_or_insert_default().conditions.get_or_insert_default();
                 conditions.retain(|c| c.type_ != condition.type_);
+                let opened = condition.status == "True";
                 conditions.push(condition);
                 let mut written = self.written.lock().unwrap();
-                let entry = written.entry(name.to_string()).or_default();
-                *entry = (now_us(), entry.1 + 1);
+                let entry = written.entry(pod.metadata.uid.clone().unwrap_or_default()).or_default();
+                *entry = (if opened { Some(now_us()) } else { entry.0 }, entry.1 + 1);
                 let _ = self.echo.send(Echo::Pod(Box::new(pod.clone())));
                 (StatusCode::OK, serde_json::to_value(&*pod).unwrap())
             }
@@ -191,8 +199,9 @@ fn describe(counts: &BTreeMap<String, u64>) -> String {
     counts.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join(", ")
 }
 
-/// One guarded Deployment of the fleet.
+/// One guarded workload of the fleet.
 struct Workload {
+    kind: Kind,
     namespace: String,
     name: String,
     /// Its queues, one per guarding policy.
@@ -227,12 +236,35 @@ fn replica_set(w: &Workload, hash: &str) -> PartialObjectMeta<ReplicaSet> {
     .unwrap()
 }
 
+/// A StatefulSet of the fleet: RollingUpdate, one pod at a time.
+fn stateful_set(w: &Workload, generation: i64, observed: i64) -> StatefulSet {
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": w.name, "namespace": w.namespace, "uid": format!("uid-{}", w.name), "generation": generation,
+                     "labels": {"tier": "consumers"}},
+        "spec": {"replicas": 3, "serviceName": w.name, "selector": {"matchLabels": {"app": w.name}},
+                 "template": {"metadata": {"labels": {"app": w.name}},
+                              "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": GATE}]}}},
+        "status": {"observedGeneration": observed, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 3},
+    }))
+    .unwrap()
+}
+
+/// A pod of revision `hash`: a StatefulSet's own, or its ReplicaSet's.
 fn pod(w: &Workload, name: &str, hash: &str, ip: &str, started_ms: i64) -> Pod {
+    let owner = match w.kind {
+        Kind::StatefulSet => {
+            json!({"apiVersion": "apps/v1", "kind": "StatefulSet", "name": w.name, "uid": "sts", "controller": true})
+        }
+        _ => {
+            json!({"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": format!("{}-{hash}", w.name), "uid": "rs", "controller": true})
+        }
+    };
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": w.namespace, "uid": format!("uid-{name}"),
+        "metadata": {"name": name, "namespace": w.namespace, "uid": format!("uid-{name}-{hash}"),
                      "labels": {"app": w.name, "pod-template-hash": hash},
-                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": format!("{}-{hash}", w.name), "uid": "rs"}]},
+                     "ownerReferences": [owner]},
         "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": GATE}]},
         "status": {"phase": "Running", "podIP": ip, "startTime": rfc3339(started_ms),
                    "conditions": [{"type": "ContainersReady", "status": "True", "lastTransitionTime": rfc3339(started_ms)}]},
@@ -240,14 +272,14 @@ fn pod(w: &Workload, name: &str, hash: &str, ip: &str, started_ms: i64) -> Pod {
     .unwrap()
 }
 
-fn policy(namespace: &str, name: &str, queue: &str, deployment: &str) -> QueuePolicy {
+fn policy(namespace: &str, name: &str, queue: &str, w: &Workload) -> QueuePolicy {
     serde_json::from_value(json!({
         "apiVersion": "queueguard.io/v1alpha1", "kind": "QueuePolicy",
         "metadata": {"name": name, "namespace": namespace, "generation": 1, "uid": format!("uid-{namespace}-{name}"),
                      "finalizers": [FINALIZER], "resourceVersion": "1"},
         "spec": {"broker": {"secretRef": {"name": "rabbitmq"}},
                  "queue": {"name": queue, "settings": "Arguments", "expires": "4h"},
-                 "consumers": {"deployment": deployment, "minAttachedSeconds": 0, "matchBy": "ConnectionName"}},
+                 "consumers": {"workload": {"kind": w.kind.as_str(), "name": w.name}, "minAttachedSeconds": 0, "matchBy": "ConnectionName"}},
     }))
     .unwrap()
 }
@@ -369,10 +401,11 @@ async fn settle(api: &FakeApi, quiet: Duration, limit: Duration) -> Duration {
     started.elapsed()
 }
 
-/// Rolls a Deployment out as the Deployment controller does with maxSurge 1, maxUnavailable 0:
-/// one new pod at a time, whose consumer attaches on a connection of its own; the old pod goes
-/// once the new one's gate is open. Returns, per new pod, the time from its last consumer's
-/// attach to its gate condition's patch.
+/// Rolls a workload out as its controller does: a Deployment with maxSurge 1, maxUnavailable 0
+/// (one new pod at a time; the old pod goes once the new one's gate is open), a StatefulSet one
+/// ordinal at a time from the highest (the old pod goes first, the new one comes back under its
+/// name). Each new pod's consumer attaches on a connection of its own. Returns, per new pod, the
+/// time from its last consumer's attach to its gate condition's patch True.
 async fn roll(
     index: usize,
     w: &mut Workload,
@@ -386,35 +419,51 @@ async fn roll(
         api.pods.lock().unwrap().insert((namespace.to_owned(), p.metadata.name.clone().unwrap()), p.clone());
         ctx.gate.on(&watcher::Event::Apply(p));
     };
-    ctx.gate.on(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision) - 1)));
-    ctx.gate.on(&watcher::Event::Apply(replica_set(w, &hash)));
+    let remove_pod = |namespace: &str, name: &str| {
+        let gone = api.pods.lock().unwrap().remove(&(namespace.to_owned(), name.to_owned()));
+        if let Some(mut p) = gone {
+            p.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
+            ctx.gate.on(&watcher::Event::Apply(p.clone()));
+            ctx.gate.on(&watcher::Event::Delete(p));
+        }
+    };
+    apply_workload(ctx, w, i64::from(revision), i64::from(revision) - 1);
+    let stateful = w.kind == Kind::StatefulSet;
+    if !stateful {
+        ctx.gate.on(&watcher::Event::Apply(replica_set(w, &hash)));
+    }
     let mut latencies = Vec::new();
-    let old = std::mem::take(&mut w.pods);
+    let mut old = std::mem::take(&mut w.pods);
+    if stateful {
+        old.reverse();
+    }
     for (i, old_name) in old.iter().enumerate() {
-        let name = format!("{}-{hash}-{i}", w.name);
+        let name = if stateful { old_name.clone() } else { format!("{}-{hash}-{i}", w.name) };
+        if stateful {
+            remove_pod(&w.namespace, old_name);
+        }
         let started = now_ms();
         let ip = format!("10.{}.{}.{}", 100 + revision, index / 250, (index % 250) * 3 + i);
-        apply_pod(&w.namespace, pod(w, &name, &hash, &ip, started));
+        let new = pod(w, &name, &hash, &ip, started);
+        let uid = new.metadata.uid.clone().unwrap();
+        apply_pod(&w.namespace, new);
         let id = format!("c-{name}");
         let mut commands = vec![format!("open {id} {name}")];
         commands.extend(w.queues.iter().enumerate().map(|(q, queue)| format!("consume {id} {queue} {name}-{q}")));
         let attached = host.send(&commands);
         let deadline = Instant::now() + Duration::from_secs(10);
         let written = loop {
-            if let Some((at, _)) = api.written.lock().unwrap().get(&name).copied() {
+            if let Some((Some(at), _)) = api.written.lock().unwrap().get(&uid).copied() {
                 break at;
             }
             assert!(Instant::now() < deadline, "the gate of {name} never opened");
             tokio::time::sleep(Duration::from_millis(1)).await;
         };
         latencies.push((written - attached) as f64 / 1000.0);
-        // The old pod goes: terminating, then deleted.
-        let gone = api.pods.lock().unwrap().remove(&(w.namespace.clone(), old_name.clone()));
-        if let Some(mut p) = gone {
-            p.metadata.deletion_timestamp =
-                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
-            ctx.gate.on(&watcher::Event::Apply(p.clone()));
-            ctx.gate.on(&watcher::Event::Delete(p));
+        // A Deployment's old pod goes once the new one is available: terminating, then deleted.
+        if !stateful {
+            remove_pod(&w.namespace, old_name);
         }
         w.pods.push(name);
     }
@@ -424,8 +473,16 @@ async fn roll(
     if std::mem::take(&mut w.on_group_connection) {
         host.send(&cancels);
     }
-    ctx.gate.on(&watcher::Event::Apply(deployment(w, i64::from(revision), i64::from(revision))));
+    apply_workload(ctx, w, i64::from(revision), i64::from(revision));
     latencies
+}
+
+/// The workload as its watch delivers it.
+fn apply_workload(ctx: &Context, w: &Workload, generation: i64, observed: i64) {
+    match w.kind {
+        Kind::StatefulSet => ctx.gate.on(&watcher::Event::Apply(stateful_set(w, generation, observed))),
+        _ => ctx.gate.on(&watcher::Event::Apply(deployment(w, generation, observed))),
+    }
 }
 
 #[tokio::main]
@@ -442,7 +499,8 @@ async fn main() {
     let management = env("QUEUEGUARD_BENCH_MANAGEMENT", "http://127.0.0.1:15672");
     let run = format!("qgfleet.{}", std::process::id());
 
-    // The fleet: every tenth Deployment starts a namespace (with its own broker Secret).
+    // The fleet: every tenth workload starts a namespace (with its own broker Secret); every third
+    // is a StatefulSet.
     let mut workloads: Vec<Workload> = (0..singles + workers)
         .map(|i| {
             let name = format!("d{i}");
@@ -451,9 +509,13 @@ async fn main() {
             } else {
                 (0..3).map(|q| format!("{run}.q{i}.{q}")).collect()
             };
+            let kind = if i % 3 == 2 { Kind::StatefulSet } else { Kind::Deployment };
             Workload {
+                kind,
                 namespace: format!("fleet-{}", i / PER_CONNECTION),
-                pods: (0..3).map(|p| format!("{name}-r1-{p}")).collect(),
+                pods: (0..3)
+                    .map(|p| if kind == Kind::StatefulSet { format!("{name}-{p}") } else { format!("{name}-r1-{p}") })
+                    .collect(),
                 name,
                 queues,
                 on_group_connection: true,
@@ -475,17 +537,21 @@ async fn main() {
     };
     let mut policies = Vec::new();
     let mut deployments = Vec::new();
+    let mut stateful_sets = Vec::new();
     let mut pods = Vec::new();
     // Running for a minute: the operator is new to them (a first install), not they to it.
     let long_ago = now_ms() - 60_000;
     for (i, w) in workloads.iter().enumerate() {
         for (q, queue) in w.queues.iter().enumerate() {
             let name = if w.queues.len() == 1 { format!("p{i}") } else { format!("p{i}-{q}") };
-            let p = policy(&w.namespace, &name, queue, &w.name);
+            let p = policy(&w.namespace, &name, queue, w);
             api.policies.lock().unwrap().insert((w.namespace.clone(), name), serde_json::to_string(&p).unwrap());
             policies.push(p);
         }
-        deployments.push(deployment(w, 1, 1));
+        match w.kind {
+            Kind::StatefulSet => stateful_sets.push(stateful_set(w, 1, 1)),
+            _ => deployments.push(deployment(w, 1, 1)),
+        }
         for (j, name) in w.pods.iter().enumerate() {
             let p = pod(w, name, "r1", &format!("10.{}.{}.{j}", i / 250, i % 250), long_ago);
             api.pods.lock().unwrap().insert((w.namespace.clone(), name.clone()), p.clone());
@@ -494,8 +560,10 @@ async fn main() {
     }
     let (n_policies, n_pods) = (policies.len(), pods.len());
     println!(
-        "fleet: {} Deployments of 3 pods ({singles} guarded by one QueuePolicy, {workers} workers by three): {n_policies} policies, {n_pods} pods",
-        workloads.len()
+        "fleet: {} workloads of 3 pods ({} Deployments, {} StatefulSets; {singles} guarded by one QueuePolicy, {workers} workers by three): {n_policies} policies, {n_pods} pods",
+        workloads.len(),
+        deployments.len(),
+        stateful_sets.len()
     );
 
     // The operator: Controller, reconcile, gate index and pod writer against the in-memory API.
@@ -514,9 +582,12 @@ async fn main() {
     }
     gate.on(&watcher::Event::<Deployment>::InitDone);
     gate.on(&watcher::Event::<StatefulSet>::Init);
+    for s in stateful_sets {
+        gate.on(&watcher::Event::InitApply(s));
+    }
     gate.on(&watcher::Event::<StatefulSet>::InitDone);
     gate.on(&watcher::Event::<PartialObjectMeta<ReplicaSet>>::Init);
-    for w in &workloads {
+    for w in workloads.iter().filter(|w| w.kind == Kind::Deployment) {
         gate.on(&watcher::Event::InitApply(replica_set(w, "r1")));
     }
     gate.on(&watcher::Event::<PartialObjectMeta<ReplicaSet>>::InitDone);
@@ -591,11 +662,12 @@ async fn main() {
         workloads.len().div_ceil(PER_CONNECTION),
         attached.as_secs_f64()
     );
-    while api.written.lock().unwrap().len() < n_pods && Instant::now() < deadline {
+    let open = || api.written.lock().unwrap().values().filter(|(at, _)| at.is_some()).count();
+    while open() < n_pods && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let opened = attaching.elapsed();
-    let open = api.written.lock().unwrap().len();
+    let open = open();
     // Quiet for longer than the findings' interval, after the first keepAlive renewal (5
     // minutes after each queue's declaration) has brought the queues' consumer counts, which
     // the management API lists after its statistics interval, into status.
@@ -636,10 +708,11 @@ async fn main() {
         describe(&steady)
     );
 
-    // One rolling restart of one Deployment, guarded by one policy, then of one worker guarded
-    // by three: every request it costs, and the pod condition patches per new pod.
+    // One rolling restart of one Deployment and of one StatefulSet, each guarded by one policy,
+    // then of one worker guarded by three: every request it costs, and the pod condition patches
+    // per new pod.
     let mut costs = Vec::new();
-    for index in [0, singles.min(workloads.len() - 1)] {
+    for index in [0, 2, singles.min(workloads.len() - 1)] {
         let before = api.snapshot();
         let patches_before: u32 = api.written.lock().unwrap().values().map(|(_, n)| n).sum();
         let w = &mut workloads[index];
@@ -648,7 +721,8 @@ async fn main() {
         let cost = since(&before, &api.snapshot());
         let patches: u32 = api.written.lock().unwrap().values().map(|(_, n)| n).sum::<u32>() - patches_before;
         println!(
-            "  one rolling restart of {} ({} polic{}): {} requests ({}); {} pod condition patches for 3 new pods",
+            "  one rolling restart of {} {} ({} polic{}): {} requests ({}); {} pod condition patches for 3 new pods",
+            w.kind.as_str(),
             w.name,
             w.queues.len(),
             if w.queues.len() == 1 { "y" } else { "ies" },
@@ -695,13 +769,15 @@ async fn main() {
         }
     }
     println!(
-        "summary policies={n_policies} deployments={} pods={n_pods} cold_open_s={:.1} ready={ready} steady_kube_per_min={per_minute:.0} steady_gate_requests={gate_steady} steady_mgmt_per_min={mgmt_per_minute:.0} rollout_requests_single={} rollout_requests_worker={} patches_per_pod_single={:.2} patches_per_pod_worker={:.2} attach_to_patch_p50_ms={p50:.1} attach_to_patch_p99_ms={p99:.1} attach_to_patch_max_ms={max:.1} attaches={} tracked_pods={tracked} operator_rss_mib={:.1} peak_rss_mib={rss:.1} unexpected_requests={unexpected}",
+        "summary policies={n_policies} workloads={} pods={n_pods} cold_open_s={:.1} ready={ready} steady_kube_per_min={per_minute:.0} steady_gate_requests={gate_steady} steady_mgmt_per_min={mgmt_per_minute:.0} rollout_requests_single={} rollout_requests_statefulset={} rollout_requests_worker={} patches_per_pod_single={:.2} patches_per_pod_statefulset={:.2} patches_per_pod_worker={:.2} attach_to_patch_p50_ms={p50:.1} attach_to_patch_p99_ms={p99:.1} attach_to_patch_max_ms={max:.1} attaches={} tracked_pods={tracked} operator_rss_mib={:.1} peak_rss_mib={rss:.1} unexpected_requests={unexpected}",
         workloads.len(),
         opened.as_secs_f64(),
         costs[0].0,
-        costs.get(1).map_or(0, |c| c.0),
+        costs[1].0,
+        costs.get(2).map_or(0, |c| c.0),
         costs[0].1,
-        costs.get(1).map_or(0.0, |c| c.1),
+        costs[1].1,
+        costs.get(2).map_or(0.0, |c| c.1),
         latencies.len(),
         rss - baseline,
     );

@@ -1,10 +1,11 @@
 //! `queueguard status` (also `kubectl queueguard status`): one row per QueuePolicy, read from the
-//! status the operator wrote: the queue, its depth, consumers attached against expected, the
-//! rollout phase and what each waiting pod waits for. Rows and their rendering are pure; `list`
+//! status the operator wrote: the queue, the workload it guards, its depth, consumers attached
+//! against expected, the rollout phase and what each waiting pod waits for. Rows and their rendering are pure; `list`
 //! reads the cluster.
 
 use crate::{
     crd::{QueuePolicy, RolloutPhase},
+    gate::guards::Selects,
     status::{self, ConditionType},
 };
 use k8s_openapi::jiff::Timestamp;
@@ -25,6 +26,9 @@ pub struct Row {
     pub namespace: String,
     pub policy: String,
     pub queue: String,
+    /// The consumer workload it guards (`StatefulSet/shard`), or `selector`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workload: Option<String>,
     /// The Ready condition: True, False or Unknown (no status yet).
     pub ready: String,
     /// Why it is not Ready.
@@ -63,6 +67,11 @@ pub fn row(p: &QueuePolicy) -> Row {
             .map(|q| q.name.clone())
             .or(p.spec.queue.name.clone())
             .unwrap_or_else(|| p.name_any()),
+        workload: match Selects::of(p) {
+            Selects::Named(kind, name) => Some(format!("{}/{name}", kind.as_str())),
+            Selects::Labels { .. } => Some("selector".into()),
+            Selects::Nothing => None,
+        },
         ready: ready.map_or_else(|| "Unknown".to_owned(), |c| c.status.clone()),
         reason: ready.filter(|_| !is_true).map(|c| c.reason.clone()),
         depth: status.queue.as_ref().and_then(|q| q.messages_ready),
@@ -96,15 +105,16 @@ pub fn table(rows: &[Row], now: Timestamp) -> String {
         return "No QueuePolicies found.\n".to_owned();
     }
     let dash = || "-".to_owned();
-    let header =
-        ["NAMESPACE", "POLICY", "QUEUE", "READY", "DEPTH", "UNACKED", "CONSUMERS", "ROLLOUT"].map(str::to_owned);
-    let cells: Vec<[String; 8]> = rows
+    let header = ["NAMESPACE", "POLICY", "QUEUE", "WORKLOAD", "READY", "DEPTH", "UNACKED", "CONSUMERS", "ROLLOUT"]
+        .map(str::to_owned);
+    let cells: Vec<[String; 9]> = rows
         .iter()
         .map(|r| {
             [
                 r.namespace.clone(),
                 r.policy.clone(),
                 r.queue.clone(),
+                r.workload.clone().unwrap_or_else(dash),
                 match &r.reason {
                     Some(reason) => format!("{} ({reason})", r.ready),
                     None => r.ready.clone(),
@@ -120,8 +130,8 @@ pub fn table(rows: &[Row], now: Timestamp) -> String {
         })
         .collect();
     let widths: Vec<usize> =
-        (0..8).map(|i| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0)).collect();
-    let line = |cols: &[String; 8]| {
+        (0..9).map(|i| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0)).collect();
+    let line = |cols: &[String; 9]| {
         let text: Vec<String> = cols.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         text.join("   ").trim_end().to_owned() + "\n"
     };
@@ -196,10 +206,10 @@ status:
         assert_eq!(
             table(&rows, now),
             "\
-NAMESPACE   POLICY    QUEUE       READY                    DEPTH   UNACKED   CONSUMERS   ROLLOUT
-ops         audit     audit       Unknown                  -       -         -           -
-shop        billing   billing     False (SecretNotFound)   -       -         -           -
-shop        orders    orders-v2   True                     12      3         1/2         WaitingForAttach
+NAMESPACE   POLICY    QUEUE       WORKLOAD                  READY                    DEPTH   UNACKED   CONSUMERS   ROLLOUT
+ops         audit     audit       -                         Unknown                  -       -         -           -
+shop        billing   billing     -                         False (SecretNotFound)   -       -         -           -
+shop        orders    orders-v2   Deployment/order-worker   True                     12      3         1/2         WaitingForAttach
   pod order-worker-7d9-x2 waits for 42s for orders-v2, billing
 "
         );
@@ -207,7 +217,7 @@ shop        orders    orders-v2   True                     12      3         1/2
         assert_eq!(
             json,
             serde_json::json!({
-                "namespace": "shop", "policy": "orders", "queue": "orders-v2", "ready": "True",
+                "namespace": "shop", "policy": "orders", "queue": "orders-v2", "workload": "Deployment/order-worker", "ready": "True",
                 "depth": 12, "unacknowledged": 3, "attached": 1, "expected": 2, "rollout": "WaitingForAttach",
                 "waiting": [{"pod": "order-worker-7d9-x2", "since": "2026-12-05T10:00:00Z", "waitingFor": ["orders-v2", "billing"]}]
             })

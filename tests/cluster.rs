@@ -251,6 +251,12 @@ async fn killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_sec
     cluster.quorum_queue(&name).await;
     let p = policy_doc(&name, "queue: {type: quorum}\n  consumers: {deployment: worker, minAttachedSeconds: 0}");
     watched(&ctx, &[&p], &[worker_deployment(json!({"type": "RollingUpdate"}))], &[worker_pod(None)], &[]);
+    // Synced and not bound yet: the pod says why it waits, and the worker gets its budget.
+    expect_first_condition(&mut api, "WaitingForQueues").await;
+    expect_unordered(&mut api, &[("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/worker-queueguard")])
+        .await;
+    ctx.gate
+        .on(&kube::runtime::watcher::Event::Apply(serde_json::from_value::<Pod>(worker_pod(Some("False"))).unwrap()));
     let key = QueueKey::new("/", &name);
     let dead_letter_queue = QueueKey::new("/", format!("{name}.dlq"));
     ctx.gate.bind(&ObjectKey::of(&p), Ok(QueueWatch { tracker: t.clone(), queue: key.clone(), dead_letter_queue }));
@@ -272,7 +278,7 @@ async fn killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_sec
 
     let killed = Instant::now();
     let revive = kill("qc");
-    let written = expect_pod_condition(&mut api, "False", "NoConsumer").await;
+    let written = expect_pod_condition(&mut api, "False", "WaitingForConsumer").await;
     let after = killed.elapsed();
     eprintln!("kill -9 qc: the pod's gate condition written False after {after:?}");
     assert!(after < Duration::from_secs(2), "{after:?}: {written}");

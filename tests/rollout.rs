@@ -10,6 +10,7 @@ use common::*;
 use queueguard::{
     broker::uri::BrokerUri,
     simulation::{self, Scenario},
+    workload::Kind,
 };
 
 fn uri() -> BrokerUri {
@@ -51,6 +52,42 @@ async fn a_worker_with_two_guarded_queues_keeps_a_consumer_on_each_through_every
     assert_eq!((report.lost, report.queue_deletions, report.premature_opens), (0, 0, 0), "{report:?}");
     let naive = simulation::run(&Scenario { queues: 2, ..Scenario::new(false, 2, 6) }, &uri()).await.unwrap();
     assert!(naive.fewest_consumers.contains(&0), "without the gate a queue goes unread: {naive:?}");
+}
+
+/// A StatefulSet replaces one pod at a time without surge; with two replicas the gate holds
+/// each next step until the recreated pod's consumer attached, so the queue always has one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_statefulset_restarts_keep_a_consumer_and_lose_nothing() {
+    let scenario = Scenario { workload: Kind::StatefulSet, ..Scenario::new(true, 2, 4) };
+    let report = simulation::run(&scenario, &uri()).await.unwrap();
+    eprintln!("{}", simulation::table(std::slice::from_ref(&report)));
+    assert_eq!((report.lost, report.queue_deletions, report.premature_opens), (0, 0, 0), "{report:?}");
+    assert!(report.fewest_consumers[0] >= 1, "{report:?}");
+    assert_eq!(report.unsafe_strategy, None);
+}
+
+/// With one replica no strategy can keep a consumer while the pod restarts: the gate says so
+/// (RolloutSafe=False) and the queue, durable, keeps every message through the gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_replica_statefulset_shows_the_gap_it_reports_and_still_loses_nothing() {
+    let scenario = Scenario { workload: Kind::StatefulSet, ..Scenario::new(true, 1, 3) };
+    let report = simulation::run(&scenario, &uri()).await.unwrap();
+    eprintln!("{}", simulation::table(std::slice::from_ref(&report)));
+    let why = report.unsafe_strategy.as_deref().expect("reported as unsafe");
+    assert!(why.contains("without surge") && why.contains("run at least 2 replicas"), "{why}");
+    assert_eq!(report.fewest_consumers, [0], "a moment without a consumer: {report:?}");
+    assert_eq!((report.lost, report.queue_deletions), (0, 0), "{report:?}");
+}
+
+/// An Argo canary Rollout (no steps, no traffic routing) scales its ReplicaSets as a Deployment
+/// does; its pods reach the gate through their ReplicaSet's owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarded_canary_rollouts_lose_nothing() {
+    let scenario = Scenario { workload: Kind::Rollout, ..Scenario::new(true, 2, 4) };
+    let report = simulation::run(&scenario, &uri()).await.unwrap();
+    eprintln!("{}", simulation::table(std::slice::from_ref(&report)));
+    assert_eq!((report.lost, report.queue_deletions, report.premature_opens), (0, 0, 0), "{report:?}");
+    assert!(report.fewest_consumers[0] >= 1 && report.longest_gate_wait.is_some(), "{report:?}");
 }
 
 #[test]

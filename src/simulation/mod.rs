@@ -1,5 +1,6 @@
 //! The rollout simulation behind `queueguard demo` and the rollout tests: a model of the
-//! Deployment controller ([`model`]) drives real AMQP consumer tasks against the real broker
+//! workload's controller ([`model`]: a Deployment, a StatefulSet, or an Argo canary Rollout)
+//! drives real AMQP consumer tasks against the real broker
 //! while a publisher sends numbered messages, and, in the guarded scenario, the operator's own
 //! tracker and gate index decide each pod's readiness condition.
 //!
@@ -27,9 +28,20 @@ use crate::{
         index::{Binding, Consumers, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, Write},
     },
     plan::{self, GatePlan, Limits},
-    workload::{Kind, Workload, WorkloadKey, strategy},
+    workload::{
+        Judgement, Kind, Workload, WorkloadKey,
+        owner::PodOwner,
+        rollout::{Canary, Rollout, RolloutSpec, RolloutStatus, RolloutStrategy},
+        strategy::{self, Fenceposts},
+    },
 };
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus, DeploymentStrategy};
+use k8s_openapi::{
+    api::apps::v1::{
+        Deployment, DeploymentSpec, DeploymentStatus, DeploymentStrategy, StatefulSet, StatefulSetSpec,
+        StatefulSetStatus,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 use lapin::{
     BasicProperties, Connection,
     options::{BasicPublishOptions, ConfirmSelectOptions},
@@ -64,6 +76,8 @@ pub struct Scenario {
     /// Keep rolling out (after `restarts`) until this is set: rollouts during something else,
     /// a broker's rolling restart, say.
     pub until: Option<Arc<AtomicBool>>,
+    /// The kind of workload the consumers run in.
+    pub workload: Kind,
 }
 
 impl Scenario {
@@ -80,11 +94,16 @@ impl Scenario {
             publish_every: Duration::from_millis(10),
             quorum: false,
             until: None,
+            workload: Kind::Deployment,
         }
     }
 
-    pub fn label(&self) -> &'static str {
-        if self.guarded { "guarded (queueguard gate)" } else { "auto-delete queue, no gate" }
+    pub fn label(&self) -> String {
+        let label = if self.guarded { "guarded (queueguard gate)" } else { "auto-delete queue, no gate" };
+        match self.workload {
+            Kind::Deployment => label.to_owned(),
+            kind => format!("{label}, {}", kind.as_str()),
+        }
     }
 }
 
@@ -92,8 +111,9 @@ const TICK: Duration = Duration::from_millis(10);
 const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(60);
 
 const NAMESPACE: &str = "queueguard-demo";
-const DEPLOYMENT: &str = "demo-consumer";
-/// The ReplicaSet its pods belong to (which leads the gate to the Deployment).
+/// The consumer workload's name.
+const WORKLOAD: &str = "demo-consumer";
+/// The ReplicaSet its pods belong to (which leads the gate to the Deployment or Rollout).
 const REPLICA_SET: &str = "demo-consumer-5d8f7c";
 
 /// Runs one scenario against the broker at `uri`.
@@ -140,8 +160,10 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         keys: keys.clone(),
         rng: Rng(s.seed),
         pods: Vec::new(),
+        next_id: 0,
         revision: 1,
         strategy: None,
+        canary: Canary::default(),
         tally: Arc::new(Tally::default()),
         gate_waits: Vec::new(),
         gate_overheads: Vec::new(),
@@ -185,7 +207,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         }
     }
     Ok(Report {
-        scenario: s.label().into(),
+        scenario: s.label(),
         restarts,
         reconnects: sim.tally.reconnects(),
         published,
@@ -193,6 +215,10 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         lost: published.saturating_sub(unique),
         duplicates: deliveries.saturating_sub(unique),
         queue_deletions: deletions,
+        unsafe_strategy: match sim.workload().judge(1) {
+            Judgement::Unsafe { why, remedy } if s.guarded => Some(format!("{why}; {remedy}")),
+            _ => None,
+        },
         fewest_consumers: sim
             .fewest
             .unwrap_or_default()
@@ -223,8 +249,8 @@ impl Guard {
             // Every simulated pod connects from 127.0.0.1: tell them apart by connection name.
             match_by: MatchBy::ConnectionName,
             consumers: ConsumersSpec {
-                deployment: Some(DEPLOYMENT.into()),
-                workload: None,
+                deployment: None,
+                workload: Some(crate::crd::WorkloadRef { kind: s.workload, name: WORKLOAD.into() }),
                 selector: None,
                 kinds: None,
                 min_attached: 1,
@@ -237,7 +263,7 @@ impl Guard {
             .map(|i| PolicyFacts {
                 key: ObjectKey::new(NAMESPACE, format!("demo-{i}")),
                 uid: format!("demo-{i}"),
-                selects: Selects::Named(Kind::Deployment, DEPLOYMENT.into()),
+                selects: Selects::Named(s.workload, WORKLOAD.into()),
                 plan: Ok(plan.clone()),
                 deleting: false,
             })
@@ -248,12 +274,12 @@ impl Guard {
             index.bind(name, Ok(Binding { source: tracker.id(), queue: queue.clone(), dead_letter_queue: None }));
         }
         index.replace_budgets(vec![]);
-        index.replace_workloads(Kind::Deployment, vec![]);
-        index.kind_unavailable(Kind::StatefulSet);
-        index.kind_unavailable(Kind::Rollout);
+        for kind in [Kind::Deployment, Kind::StatefulSet, Kind::Rollout] {
+            index.replace_workloads(kind, vec![]);
+        }
         index.replace_replica_sets(vec![ReplicaSetFacts {
             key: ObjectKey::new(NAMESPACE, REPLICA_SET),
-            owner: Some(WorkloadKey::new(Kind::Deployment, NAMESPACE, DEPLOYMENT)),
+            owner: Some(WorkloadKey::new(s.workload, NAMESPACE, WORKLOAD)),
         }]);
         index.replace_pods(vec![], now_ms());
         Self { index }
@@ -298,9 +324,13 @@ struct Sim {
     keys: Vec<QueueKey>,
     rng: Rng,
     pods: Vec<PodHandle>,
+    /// Pod ids are never reused (pods of earlier rollouts are dropped from `pods`).
+    next_id: usize,
     revision: u32,
     /// The Deployment's strategy; None is the API server's default (25% / 25%).
     strategy: Option<DeploymentStrategy>,
+    /// The canary Rollout's strategy (Argo's defaults, 25% / 25%).
+    canary: Canary,
     tally: Arc<Tally>,
     gate_waits: Vec<Duration>,
     /// Per opened gate: from its consumer attaching to the gate opening.
@@ -313,29 +343,67 @@ struct Sim {
 }
 
 impl Sim {
-    fn deployment(&self) -> Deployment {
+    /// The consumer workload as its controller reports it.
+    fn workload(&self) -> Workload {
         let live = self.pods.iter().filter(|p| !p.terminating).count() as i32;
         let updated = self.pods.iter().filter(|p| !p.terminating && p.revision == self.revision).count() as i32;
-        Deployment {
-            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-                name: Some(DEPLOYMENT.into()),
-                namespace: Some(NAMESPACE.into()),
-                ..Default::default()
-            },
-            spec: Some(DeploymentSpec {
-                replicas: Some(self.s.replicas as i32),
-                strategy: self.strategy.clone(),
-                ..Default::default()
+        let replicas = Some(self.s.replicas as i32);
+        let metadata =
+            ObjectMeta { name: Some(WORKLOAD.into()), namespace: Some(NAMESPACE.into()), ..Default::default() };
+        match self.s.workload {
+            Kind::Deployment => Workload::new(Deployment {
+                metadata,
+                spec: Some(DeploymentSpec { replicas, strategy: self.strategy.clone(), ..Default::default() }),
+                status: Some(DeploymentStatus {
+                    replicas: Some(live),
+                    updated_replicas: Some(updated),
+                    ..Default::default()
+                }),
             }),
-            status: Some(DeploymentStatus {
-                replicas: Some(live),
-                updated_replicas: Some(updated),
-                ..Default::default()
+            Kind::StatefulSet => Workload::new(StatefulSet {
+                metadata,
+                spec: Some(StatefulSetSpec { replicas, ..Default::default() }),
+                status: Some(StatefulSetStatus {
+                    replicas: live,
+                    updated_replicas: Some(updated),
+                    ..Default::default()
+                }),
             }),
+            Kind::Rollout => {
+                let strategy = RolloutStrategy { canary: Some(self.canary.clone()), blue_green: None };
+                let mut rollout = Rollout::new(WORKLOAD, RolloutSpec { replicas, strategy, ..Default::default() });
+                rollout.metadata.namespace = Some(NAMESPACE.into());
+                rollout.status =
+                    Some(RolloutStatus { replicas: Some(live), updated_replicas: Some(updated), phase: None });
+                Workload::new(rollout)
+            }
         }
     }
 
-    /// Runs the Deployment controller until the current revision is fully rolled out.
+    /// The fenceposts of a Deployment or canary rollout.
+    fn fenceposts(&self) -> Result<Fenceposts, String> {
+        let replicas = self.s.replicas as i32;
+        match self.s.workload {
+            Kind::Rollout => strategy::canary_fenceposts(&self.canary, replicas),
+            _ => {
+                let Workload { object, .. } = self.workload();
+                let crate::workload::Object::Deployment(d) = &*object else {
+                    return Err("a StatefulSet has no surge".into());
+                };
+                strategy::fenceposts(d)?.ok_or_else(|| "the simulation runs RollingUpdate only".into())
+            }
+        }
+    }
+
+    /// Which controller a pod names.
+    fn owner(&self) -> PodOwner {
+        match self.s.workload {
+            Kind::StatefulSet => PodOwner::StatefulSet(WORKLOAD.into()),
+            _ => PodOwner::ReplicaSet(REPLICA_SET.into()),
+        }
+    }
+
+    /// Runs the workload's controller until the current revision is fully rolled out.
     async fn roll(&mut self) -> Result<(), String> {
         let started = Instant::now();
         loop {
@@ -346,9 +414,11 @@ impl Sim {
                 .iter()
                 .map(|p| model::PodState {
                     id: p.id,
+                    ordinal: p.ordinal,
                     revision: p.revision,
                     ready: p.ready(self.s.guarded),
                     terminating: p.terminating,
+                    gone: p.finished(),
                 })
                 .collect();
             let alive_old = self.pods.iter().any(|p| p.terminating && !p.finished());
@@ -356,26 +426,20 @@ impl Sim {
                 self.pods.retain(|p| !p.terminating);
                 return Ok(());
             }
-            let fp = strategy::fenceposts(&self.deployment())?.ok_or("the simulation runs RollingUpdate only")?;
-            for step in model::next(&states, self.s.replicas, self.revision, fp) {
+            let steps = match self.s.workload {
+                Kind::StatefulSet => model::next_ordered(&states, self.s.replicas, self.revision),
+                _ => model::next(&states, self.s.replicas, self.revision, self.fenceposts()?),
+            };
+            for step in steps {
                 match step {
                     model::Step::Create { count } => {
                         for _ in 0..count {
-                            let id = self.pods.len();
-                            let boot = self.rng.between(self.s.boot_ms);
-                            let attach = self.rng.between(self.s.attach_ms);
-                            let pod = PodHandle::start(
-                                id,
-                                self.revision,
-                                &self.uri,
-                                &self.queues,
-                                pod::Declare::of(&self.s),
-                                Duration::from_millis(boot),
-                                Duration::from_millis(attach),
-                                self.tally.clone(),
-                            );
-                            self.pods.push(pod);
+                            let id = self.next_id;
+                            self.start_pod(format!("{WORKLOAD}-{}-{id}", self.revision), id);
                         }
+                    }
+                    model::Step::CreateOrdinal { ordinal } => {
+                        self.start_pod(format!("{WORKLOAD}-{ordinal}"), ordinal);
                     }
                     model::Step::Terminate { ids } => {
                         for id in ids {
@@ -393,15 +457,37 @@ impl Sim {
         }
     }
 
+    /// Starts a pod of the current revision.
+    fn start_pod(&mut self, name: String, ordinal: usize) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let boot = self.rng.between(self.s.boot_ms);
+        let attach = self.rng.between(self.s.attach_ms);
+        let mut pod = PodHandle::start(
+            id,
+            name,
+            self.revision,
+            &self.uri,
+            &self.queues,
+            pod::Declare::of(&self.s),
+            Duration::from_millis(boot),
+            Duration::from_millis(attach),
+            self.tally.clone(),
+        );
+        pod.ordinal = ordinal;
+        self.pods.push(pod);
+    }
+
     /// The operator's gate index over every pod, its patches applied as the kubelet would see
     /// them.
     fn gate_pass(&mut self) {
-        let deployment = self.deployment();
-        let facts = self.pods.iter().map(|p| p.facts(NAMESPACE, REPLICA_SET)).collect();
+        let workload = self.workload();
+        let owner = self.owner();
+        let facts = self.pods.iter().map(|p| p.facts(NAMESPACE, owner.clone())).collect();
         let Some(guard) = &mut self.guard else { return };
         let now = now_ms();
         let consumers = OneTracker(&self.tracker);
-        guard.index.upsert_workload(Workload::new(deployment));
+        guard.index.upsert_workload(workload);
         guard.index.replace_pods(facts, now);
         guard.index.all_consumers_changed();
         guard.index.tick(now);
@@ -417,7 +503,7 @@ impl Sim {
             }
         }
         for patch in patches {
-            let Some(pod) = self.pods.iter_mut().find(|p| p.name == patch.pod) else { continue };
+            let Some(pod) = self.pods.iter_mut().find(|p| p.uid == patch.uid) else { continue };
             let opened = pod.set_gate(patch.attached, patch.reason.as_str(), now);
             if opened {
                 match (pod.attached_ms(), pod.booted_ms()) {

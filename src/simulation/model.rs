@@ -1,7 +1,14 @@
-//! The Deployment controller's RollingUpdate rules, reduced to what decides when consumers come
-//! and go: new pods are created while the total stays within `replicas + maxSurge`, and old pods
-//! are removed while the Ready pods stay at or above `replicas - maxUnavailable` (unready old
-//! pods first, as the controller cleans up unhealthy replicas before scaling down healthy ones).
+//! The workload controllers' rollout rules, reduced to what decides when consumers come and go.
+//!
+//! [`next`]: the Deployment controller's RollingUpdate (and an Argo canary without steps or
+//! traffic routing, which scales its ReplicaSets the same way): new pods are created while the
+//! total stays within `replicas + maxSurge`, and old pods are removed while the Ready pods stay at
+//! or above `replicas - maxUnavailable` (unready old pods first, as the controller cleans up
+//! unhealthy replicas before scaling down healthy ones).
+//!
+//! [`next_ordered`]: the StatefulSet controller's RollingUpdate (OrderedReady, maxUnavailable
+//! 1): no surge; the pod of the highest ordinal not yet updated is deleted once every pod is
+//! Ready, and created again under its name (at the new revision) once the old one is gone.
 
 use crate::workload::strategy::Fenceposts;
 
@@ -9,16 +16,28 @@ use crate::workload::strategy::Fenceposts;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PodState {
     pub id: usize,
+    /// A StatefulSet pod's ordinal (its name); unused by the Deployment model.
+    pub ordinal: usize,
     pub revision: u32,
     pub ready: bool,
     pub terminating: bool,
+    /// Terminated and gone (its process stopped).
+    pub gone: bool,
 }
 
 /// One step of the controller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
-    Create { count: usize },
-    Terminate { ids: Vec<usize> },
+    Create {
+        count: usize,
+    },
+    /// A StatefulSet pod, created under its ordinal's name.
+    CreateOrdinal {
+        ordinal: usize,
+    },
+    Terminate {
+        ids: Vec<usize>,
+    },
 }
 
 /// What the Deployment controller does next for `revision` given the pods (the arithmetic of
@@ -57,6 +76,26 @@ pub fn next(pods: &[PodState], replicas: usize, revision: u32, fp: Fenceposts) -
     steps
 }
 
+/// What the StatefulSet controller does next for `revision`: nothing while a pod is going or not
+/// Ready; else the lowest missing ordinal is created, or the highest one not at `revision` is
+/// deleted.
+pub fn next_ordered(pods: &[PodState], replicas: usize, revision: u32) -> Vec<Step> {
+    if pods.iter().any(|p| p.terminating && !p.gone) {
+        return vec![];
+    }
+    let live: Vec<&PodState> = pods.iter().filter(|p| !p.terminating).collect();
+    if live.iter().any(|p| !p.ready) {
+        return vec![];
+    }
+    if let Some(ordinal) = (0..replicas).find(|o| !live.iter().any(|p| p.ordinal == *o)) {
+        return vec![Step::CreateOrdinal { ordinal }];
+    }
+    match live.iter().filter(|p| p.revision != revision).max_by_key(|p| p.ordinal) {
+        Some(p) => vec![Step::Terminate { ids: vec![p.id] }],
+        None => vec![],
+    }
+}
+
 /// The rollout of `revision` is done: `replicas` new pods, all Ready, and no old pods.
 pub fn complete(pods: &[PodState], replicas: usize, revision: u32) -> bool {
     let live: Vec<&PodState> = pods.iter().filter(|p| !p.terminating).collect();
@@ -74,7 +113,14 @@ mod tests {
     fn pods(spec: &[(u32, bool)]) -> Vec<PodState> {
         spec.iter()
             .enumerate()
-            .map(|(id, &(revision, ready))| PodState { id, revision, ready, terminating: false })
+            .map(|(id, &(revision, ready))| PodState {
+                id,
+                ordinal: id,
+                revision,
+                ready,
+                terminating: false,
+                gone: false,
+            })
             .collect()
     }
 
@@ -125,8 +171,7 @@ mod tests {
         for replicas in 1..=5usize {
             for (surge, unavailable) in [(1, 0), (0, 1), (2, 1), (1, 2)] {
                 let f = fp(surge, unavailable);
-                let mut state: Vec<PodState> =
-                    (0..replicas).map(|id| PodState { id, revision: 1, ready: true, terminating: false }).collect();
+                let mut state: Vec<PodState> = (0..replicas).map(|id| pod_at(id, id, 1, true)).collect();
                 for _ in 0..100 {
                     if complete(&state, replicas, 2) {
                         break;
@@ -136,10 +181,11 @@ mod tests {
                             Step::Create { count } => {
                                 for _ in 0..count {
                                     let id = state.len();
-                                    state.push(PodState { id, revision: 2, ready: false, terminating: false });
+                                    state.push(pod_at(id, id, 2, false));
                                 }
                             }
                             Step::Terminate { ids } => ids.iter().for_each(|&id| state[id].terminating = true),
+                            Step::CreateOrdinal { .. } => unreachable!("the Deployment model creates by count"),
                         }
                     }
                     let ready = state.iter().filter(|p| p.ready && !p.terminating).count();
@@ -150,6 +196,64 @@ mod tests {
                 }
                 assert!(complete(&state, replicas, 2), "replicas {replicas} fp {f:?}");
             }
+        }
+    }
+
+    fn pod_at(id: usize, ordinal: usize, revision: u32, ready: bool) -> PodState {
+        PodState { id, ordinal, revision, ready, terminating: false, gone: false }
+    }
+
+    #[test]
+    fn a_statefulset_replaces_one_pod_at_a_time_from_the_highest_ordinal_without_surge() {
+        let start = vec![pod_at(0, 0, 1, true), pod_at(1, 1, 1, true)];
+        assert_eq!(next_ordered(&start, 2, 2), [Step::Terminate { ids: vec![1] }], "the highest ordinal first");
+        let mut going = start.clone();
+        going[1].terminating = true;
+        assert!(next_ordered(&going, 2, 2).is_empty(), "its name is free only once it is gone");
+        going[1].gone = true;
+        assert_eq!(
+            next_ordered(&going, 2, 2),
+            [Step::CreateOrdinal { ordinal: 1 }],
+            "no surge: one pod fewer until then"
+        );
+        going.push(pod_at(2, 1, 2, false));
+        assert!(next_ordered(&going, 2, 2).is_empty(), "the next waits for the recreated pod to be Ready");
+        going[2].ready = true;
+        assert_eq!(next_ordered(&going, 2, 2), [Step::Terminate { ids: vec![0] }]);
+        going[0].terminating = true;
+        going[0].gone = true;
+        going.push(pod_at(3, 0, 2, true));
+        assert!(next_ordered(&going, 2, 2).is_empty());
+        assert!(complete(&going, 2, 2));
+    }
+
+    /// Driven to completion, a StatefulSet never has fewer than `replicas - 1` pods Ready.
+    #[test]
+    fn a_statefulset_keeps_all_but_one_pod_ready() {
+        for replicas in 1..=4usize {
+            let mut state: Vec<PodState> = (0..replicas).map(|o| pod_at(o, o, 1, true)).collect();
+            for _ in 0..100 {
+                if complete(&state, replicas, 2) {
+                    break;
+                }
+                for step in next_ordered(&state, replicas, 2) {
+                    match step {
+                        Step::CreateOrdinal { ordinal } => {
+                            let id = state.len();
+                            state.push(pod_at(id, ordinal, 2, false));
+                        }
+                        Step::Terminate { ids } => ids.iter().for_each(|&id| state[id].terminating = true),
+                        Step::Create { .. } => unreachable!("the StatefulSet model creates by ordinal"),
+                    }
+                }
+                let ready = state.iter().filter(|p| p.ready && !p.terminating).count();
+                assert!(ready + 1 >= replicas, "replicas {replicas}: {ready} ready");
+                for p in state.iter_mut() {
+                    p.ready = true;
+                    p.gone = p.terminating;
+                }
+            }
+            assert!(complete(&state, replicas, 2), "replicas {replicas}");
         }
     }
 }

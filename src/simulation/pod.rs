@@ -113,6 +113,10 @@ struct Shared {
 
 pub struct PodHandle {
     pub id: usize,
+    /// Unique per pod, whatever its name (a StatefulSet pod is created again under its name).
+    pub uid: String,
+    /// A StatefulSet pod's ordinal (its id otherwise).
+    pub ordinal: usize,
     pub name: String,
     pub revision: u32,
     pub terminating: bool,
@@ -126,6 +130,7 @@ impl PodHandle {
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         id: usize,
+        name: String,
         revision: u32,
         uri: &BrokerUri,
         queues: &[String],
@@ -134,7 +139,6 @@ impl PodHandle {
         attach: Duration,
         tally: Arc<Tally>,
     ) -> Self {
-        let name = format!("demo-consumer-{revision}-{id}");
         let shared = Arc::new(Shared::default());
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(consume(
@@ -149,7 +153,8 @@ impl PodHandle {
             shared.clone(),
             stopped,
         ));
-        Self { id, name, revision, terminating: false, gate: None, shared, stop: Some(stop), task }
+        let uid = format!("{name}.{id}");
+        Self { id, uid, ordinal: id, name, revision, terminating: false, gate: None, shared, stop: Some(stop), task }
     }
 
     pub fn booted_ms(&self) -> Option<i64> {
@@ -170,12 +175,12 @@ impl PodHandle {
     }
 
     /// The pod as the gate sees it.
-    pub fn facts(&self, namespace: &str, replica_set: &str) -> PodFacts {
+    pub fn facts(&self, namespace: &str, owner: PodOwner) -> PodFacts {
         PodFacts {
             namespace: namespace.into(),
             name: self.name.clone(),
-            uid: self.name.clone(),
-            owner: Some(PodOwner::ReplicaSet(replica_set.into())),
+            uid: self.uid.clone(),
+            owner: Some(owner),
             ips: vec![],
             ip_since_ms: None,
             has_gate: true,

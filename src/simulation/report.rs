@@ -19,6 +19,9 @@ pub struct Report {
     /// Per queue, the fewest consumers attached at any moment of the restarts (0: a moment
     /// with nobody reading it).
     pub fewest_consumers: Vec<usize>,
+    /// What the gate reports as unsafe and cannot fix (a StatefulSet of one replica restarts
+    /// without a consumer): RolloutSafe's message.
+    pub unsafe_strategy: Option<String>,
     /// Longest time a booted pod waited for the gate to open (guarded runs).
     pub longest_gate_wait: Option<Duration>,
     /// Gates opened before their pod's consumer attached (must be 0).
@@ -87,6 +90,7 @@ mod tests {
             duplicates: 3,
             queue_deletions: 0,
             fewest_consumers: vec![2, 1],
+            unsafe_strategy: None,
             longest_gate_wait: Some(Duration::from_millis(850)),
             premature_opens: 0,
             gate_overheads: vec![],

@@ -4,7 +4,10 @@
 //! (Deployments, canary and blue-green Rollouts), the owner's own change where it may not
 //! (StatefulSets).
 
-use super::{Object, rollout::Rollout};
+use super::{
+    Object,
+    rollout::{Canary, Rollout},
+};
 use k8s_openapi::{
     api::apps::v1::{Deployment, StatefulSet},
     apimachinery::pkg::util::intstr::IntOrString,
@@ -206,12 +209,15 @@ pub fn per_step(object: &Object) -> Result<Option<i32>, String> {
         Object::Deployment(d) => Ok(fenceposts(d)?.map(|fp| fp.max_surge)),
         Object::StatefulSet(s) => stateful_set_unavailable(s).map(Some),
         Object::Rollout(r) => match &r.spec.strategy.canary {
-            Some(c) => Ok(Some(
-                resolve(c.max_surge.as_ref(), c.max_unavailable.as_ref(), r.spec.replicas.unwrap_or(1))?.max_surge,
-            )),
+            Some(c) => Ok(Some(canary_fenceposts(c, r.spec.replicas.unwrap_or(1))?.max_surge)),
             None => Ok(None),
         },
     }
+}
+
+/// The fenceposts of a canary Rollout of `replicas` (Argo's defaults, 25% and 25%).
+pub fn canary_fenceposts(canary: &Canary, replicas: i32) -> Result<Fenceposts, String> {
+    resolve(canary.max_surge.as_ref(), canary.max_unavailable.as_ref(), replicas)
 }
 
 /// A canary Rollout without traffic routing scales its ReplicaSets with maxSurge and
@@ -225,7 +231,7 @@ pub fn judge_rollout(rollout: &Rollout, min_attached: i32) -> Judgement {
     let replicas = rollout.spec.replicas.unwrap_or(1);
     let strategy = &rollout.spec.strategy;
     if let Some(canary) = &strategy.canary {
-        let fp = match resolve(canary.max_surge.as_ref(), canary.max_unavailable.as_ref(), replicas) {
+        let fp = match canary_fenceposts(canary, replicas) {
             Ok(fp) => fp,
             Err(e) => return Judgement::Invalid(e),
         };
