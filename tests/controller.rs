@@ -16,7 +16,7 @@ use k8s_openapi::{
 };
 use kube::runtime::controller::Action;
 use queueguard::{
-    controller::{self, Context, FINALIZER, gate::QueueWatch},
+    controller::{self, Context, FINALIZER, gate_io::QueueWatch},
     crd::QueuePolicy,
     gate::index::ObjectKey,
     pattern::crd::QueuePattern,
@@ -651,6 +651,121 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     remove_all(&plan_b).await;
 }
 
+/// Every kind through the one writer: a StatefulSet gets its budget and never a strategy patch
+/// (no strategy closes its gap); a canary Rollout that may take every pod down at once gets its
+/// canary made safe by a server-side apply of those two fields, and its budget; each new pod
+/// says why it waits.
+#[tokio::test]
+async fn a_statefulset_gets_its_budget_and_no_strategy_patch_and_a_rollout_its_canary_made_safe() {
+    use k8s_openapi::api::apps::v1::{ReplicaSet, StatefulSet};
+    use kube::{api::PartialObjectMeta, runtime::watcher::Event};
+    use queueguard::workload::rollout::Rollout;
+    let (ctx, mut api) = harness();
+    let shards =
+        with_finalizer(policy_doc("shards", "queue: {}\n  consumers: {workload: {kind: StatefulSet, name: shard}}"));
+    let mut canaries =
+        with_finalizer(policy_doc("canaries", "queue: {}\n  consumers: {workload: {kind: Rollout, name: canary}}"));
+    canaries.metadata.uid = Some("8a3c3a52-0000-4000-8000-000000000002".into());
+    let template = |app: &str| {
+        json!({"metadata": {"labels": {"app": app}}, "spec": {"containers": [{"name": "w", "image": "w"}],
+               "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]}})
+    };
+    let shard: StatefulSet = serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "shard", "namespace": "test"},
+        "spec": {"replicas": 2, "serviceName": "shard", "selector": {"matchLabels": {"app": "shard"}}, "template": template("shard")},
+    }))
+    .unwrap();
+    let canary: Rollout = serde_json::from_value(json!({
+        "apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "metadata": {"name": "canary", "namespace": "test"},
+        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "canary"}}, "template": template("canary"),
+                 "strategy": {"canary": {"maxUnavailable": "100%", "maxSurge": 1}}},
+    }))
+    .unwrap();
+    let replica_set: PartialObjectMeta<ReplicaSet> = serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": "canary-6f7", "namespace": "test",
+                     "ownerReferences": [{"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "name": "canary", "uid": "r", "controller": true}]},
+    }))
+    .unwrap();
+    let pod = |name: &str, owner: Value| -> Pod {
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "test", "uid": format!("uid-{name}"), "ownerReferences": [owner]},
+            "spec": {"containers": [{"name": "w", "image": "w"}], "readinessGates": [{"conditionType": "queueguard.io/consumer-attached"}]},
+            "status": {"podIP": "10.1.1.1", "phase": "Running"},
+        }))
+        .unwrap()
+    };
+    let gate = &ctx.gate;
+    gate.on(&Event::<QueuePolicy>::Init);
+    gate.on(&Event::InitApply(shards));
+    gate.on(&Event::InitApply(canaries));
+    gate.on(&Event::<QueuePolicy>::InitDone);
+    gate.on(&Event::<Deployment>::Init);
+    gate.on(&Event::<Deployment>::InitDone);
+    gate.on(&Event::<StatefulSet>::Init);
+    gate.on(&Event::InitApply(shard));
+    gate.on(&Event::<StatefulSet>::InitDone);
+    gate.on(&Event::<Rollout>::Init);
+    gate.on(&Event::InitApply(canary));
+    gate.on(&Event::<Rollout>::InitDone);
+    gate.on(&Event::<PartialObjectMeta<ReplicaSet>>::Init);
+    gate.on(&Event::InitApply(replica_set));
+    gate.on(&Event::<PartialObjectMeta<ReplicaSet>>::InitDone);
+    gate.on(&Event::<PodDisruptionBudget>::Init);
+    gate.on(&Event::<PodDisruptionBudget>::InitDone);
+    gate.on(&Event::<Pod>::Init);
+    gate.on(&Event::InitApply(pod(
+        "shard-0",
+        json!({"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "shard", "uid": "s", "controller": true}),
+    )));
+    gate.on(&Event::InitApply(pod(
+        "canary-6f7-x",
+        json!({"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "canary-6f7", "uid": "rs", "controller": true}),
+    )));
+    gate.on(&Event::<Pod>::InitDone);
+
+    let writes = expect_unordered(
+        &mut api,
+        &[
+            ("PATCH", "/api/v1/namespaces/test/pods/shard-0/status"),
+            ("PATCH", "/api/v1/namespaces/test/pods/canary-6f7-x/status"),
+            ("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/shard-statefulset-queueguard"),
+            ("PATCH", "/apis/argoproj.io/v1alpha1/namespaces/test/rollouts/canary"),
+            ("PATCH", "/apis/policy/v1/namespaces/test/poddisruptionbudgets/canary-rollout-queueguard"),
+            ("POST", "/apis/events.k8s.io/v1/namespaces/test/events"),
+        ],
+    )
+    .await;
+    let body = |path: &str| writes.iter().find(|(c, _)| c.contains(path)).map(|(c, b)| (c.clone(), b.clone())).unwrap();
+    for pod in ["shard-0", "canary-6f7-x"] {
+        let (_, patch) = body(&format!("pods/{pod}/status"));
+        let condition = &patch["status"]["conditions"][0];
+        assert_eq!(
+            (condition["status"].as_str(), condition["reason"].as_str()),
+            (Some("False"), Some("WaitingForQueues"))
+        );
+    }
+    let (call, fix) = body("rollouts/canary");
+    assert!(call.contains("fieldManager=queueguard") && call.contains("application/apply-patch+yaml"), "{call}");
+    assert_eq!(
+        fix,
+        json!({"apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout", "metadata": {"name": "canary", "namespace": "test"},
+               "spec": {"strategy": {"canary": {"maxUnavailable": 0, "maxSurge": 1}}}})
+    );
+    let (_, shard_budget) = body("shard-statefulset-queueguard");
+    assert_eq!(shard_budget["metadata"]["labels"]["queueguard.io/statefulset"], "shard");
+    assert_eq!(shard_budget["spec"], json!({"minAvailable": 1, "selector": {"matchLabels": {"app": "shard"}}}));
+    let (_, canary_budget) = body("canary-rollout-queueguard");
+    assert_eq!(canary_budget["metadata"]["labels"]["queueguard.io/rollout"], "canary");
+    assert_eq!(canary_budget["spec"]["minAvailable"], 1);
+    let (_, event) = body("events");
+    assert_eq!(event["reason"], "StrategyPatched");
+    assert!(event["note"].as_str().unwrap().starts_with("Rollout 'canary': canary:"), "{event}");
+    assert_eq!(ctx.gate.read(|i| i.guarding("uid-canary-6f7-x")), [ObjectKey::new("test", "canaries")]);
+    expect_silence(&mut api, Duration::from_millis(500)).await;
+}
+
 /// A PodDisruptionBudget of someone else's already selects the worker's pods: the operator
 /// creates none (the eviction API would refuse every pod covered by two) and says so.
 #[tokio::test]
@@ -715,7 +830,7 @@ async fn deleted_behind_the_operators_back(which: fn(&queueguard::plan::QueuePla
     let p = with_finalizer(policy(&name, "{}"));
     let gone = which(&plan_of(&p));
     let (ctx, mut api) = harness();
-    let mut wakeups = ctx.take_trigger_receiver().unwrap();
+    let mut wakeups = ctx.take_wake_receiver().unwrap();
     let echo = serde_json::to_value(&p).unwrap();
     let n = name.clone();
     let server = tokio::spawn(async move {

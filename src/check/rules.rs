@@ -1164,6 +1164,47 @@ mod tests {
         assert_eq!(found(&(guarding("") + &worker() + &recreate.replace("name: worker", "name: web"))), vec![]);
     }
 
+    /// A workload of another kind `kind` named `name`, its spec's `spec` before the template.
+    fn workload(api_version: &str, kind: &str, name: &str, spec: &str) -> String {
+        format!(
+            "apiVersion: {api_version}\nkind: {kind}\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n{spec}  selector: {{matchLabels: {{app: {name}}}}}\n  template:\n    metadata: {{labels: {{app: {name}}}}}\n    spec:\n      containers: [{{name: worker, image: worker}}]\n{GATE}---\n"
+        )
+    }
+
+    fn of_rule(yaml: &str, rule: Rule) -> Finding {
+        let all: Vec<Finding> = findings(yaml).into_iter().filter(|f| f.rule == rule).collect();
+        assert_eq!(all.len(), 1, "{all:#?}");
+        all.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn qg002_a_single_replica_statefulset_and_an_all_at_once_canary() {
+        let guards = |kind: &str, name: &str| {
+            policy("orders", "{name: orders}", &format!("  consumers: {{workload: {{kind: {kind}, name: {name}}}}}\n"))
+        };
+        let shard = workload("apps/v1", "StatefulSet", "shard", "  replicas: 1\n  serviceName: shard\n");
+        let f = of_rule(&(guards("StatefulSet", "shard") + &shard), Rule::UnsafeRolloutStrategy);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Error, "StatefulSet shop/shard".into()));
+        assert!(f.message.contains("without surge") && f.message.contains("run at least 2 replicas"), "{}", f.message);
+        assert!(f.message.contains("never changes a StatefulSet's strategy"), "{}", f.message);
+        let two = workload("apps/v1", "StatefulSet", "shard", "  replicas: 2\n  serviceName: shard\n");
+        assert!(
+            findings(&(guards("StatefulSet", "shard") + &two)).iter().all(|f| f.rule != Rule::UnsafeRolloutStrategy)
+        );
+
+        let canary = workload(
+            "argoproj.io/v1alpha1",
+            "Rollout",
+            "canary",
+            "  replicas: 3\n  strategy: {canary: {maxUnavailable: 100%, maxSurge: 1}}\n",
+        );
+        let f = of_rule(&(guards("Rollout", "canary") + &canary), Rule::UnsafeRolloutStrategy);
+        assert_eq!((f.severity, f.object.to_string()), (Severity::Warning, "Rollout shop/canary".into()));
+        assert!(f.message.starts_with("canary: a rollout may take 3 of 3 pods unavailable"), "{}", f.message);
+        assert!(f.message.contains("Set spec.strategy.canary maxUnavailable: 0 and maxSurge: 1"), "{}", f.message);
+        assert!(f.message.contains("patches the live Rollout"), "{}", f.message);
+    }
+
     #[test]
     fn qg002_an_unreadable_percentage_is_reported() {
         let bad = deployment("worker", "  replicas: 2\n  strategy: {rollingUpdate: {maxSurge: lots}}\n", GATE);

@@ -133,6 +133,8 @@ pub async fn expect_unordered(api: &mut ApiServer, expected: &[(&str, &str)]) ->
             .position(|(m, p)| *m == call.method && *p == call.path)
             .unwrap_or_else(|| panic!("unexpected {} {} (expected one of {left:?})", call.method, call.path));
         left.remove(at);
+        let (group, resource, verb) = super::api::rbac_terms(&call.method, &call.path, &call.query);
+        assert!(queueguard::rbac::allows(&group, &resource, &verb), "{verb} on {group}/{resource} is not granted");
         let status = if call.method == "POST" { StatusCode::CREATED } else { StatusCode::OK };
         let body = call.body.clone();
         seen.push((format!("{} {}?{} {}", call.method, call.path, call.query, call.content_type), body.clone()));
