@@ -622,7 +622,7 @@ async fn main() {
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
-    let wakes = ctx.take_trigger_receiver().unwrap();
+    let wakes = ctx.take_wake_receiver().unwrap();
     let wakes = futures::stream::unfold(wakes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
     let started = Instant::now();
     gate.on(&watcher::Event::<Pod>::InitDone);

@@ -21,7 +21,7 @@ use queueguard::{
         Change, ConsumerTracker, QueueKey, TrackerPool, Tracking,
         tracker::{Interest, STATS_LAG},
     },
-    controller::{Context, gate::QueueWatch},
+    controller::{Context, gate_io::QueueWatch},
     converge::{self, Mode},
     gate::index::ObjectKey,
     pass,

@@ -14,8 +14,8 @@ use crate::{
     gate::{
         self, PodPatch,
         index::{
-            Binding, BudgetFacts, Consumers, Effects, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, StrategyFix,
-            Unbound, Write,
+            BoundQueue, BudgetFacts, Consumers, Effects, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts,
+            StrategyFix, Unbound, Write,
         },
         pods::PodFacts,
     },
@@ -203,7 +203,7 @@ impl Gate {
             if new {
                 tokio::spawn(forward_changes(Arc::downgrade(self), source, tracker.subscribe()));
             }
-            Binding { source, queue, dead_letter_queue: Some(dead_letter_queue) }
+            BoundQueue { source, queue, dead_letter_queue: Some(dead_letter_queue) }
         });
         let sources = self.update(|i| {
             i.bind(policy, binding);
@@ -220,7 +220,7 @@ impl Gate {
 
     /// The policy as the reconcile sees it (the watch may not have delivered it yet).
     pub fn upsert_policy(&self, policy: &QueuePolicy) {
-        let facts = PolicyFacts::from_policy(policy, self.limits);
+        let facts = gate::policy_facts(policy, self.limits);
         self.update(|i| i.upsert_policy(facts));
     }
 
@@ -305,7 +305,7 @@ pub trait Indexed: Sized {
 impl Indexed for QueuePolicy {
     type Facts = PolicyFacts;
     fn facts(&self, limits: Limits) -> PolicyFacts {
-        PolicyFacts::from_policy(self, limits)
+        gate::policy_facts(self, limits)
     }
     fn upsert(index: &mut GateIndex, facts: PolicyFacts, _: i64) {
         index.upsert_policy(facts);

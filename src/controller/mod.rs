@@ -2,11 +2,11 @@
 //! status patches and Events. Decisions come from [`crate::reconcile`], [`crate::status`] and
 //! [`crate::events`]; this module only performs the I/O they call for.
 
-pub mod gate;
+pub mod gate_io;
 pub mod pattern;
 mod secrets;
 
-use self::gate::{Gate, QueueWatch, SYNC_WAIT};
+use self::gate_io::{Gate, QueueWatch, SYNC_WAIT};
 use crate::sync::lock;
 use crate::workload::{Kind, rollout::Rollout};
 use crate::{
@@ -216,7 +216,7 @@ impl Context {
 
     /// The stream of policies the gate wakes up (their pods, Deployments, budgets or queue's
     /// consumers changed, or their queue was deleted); there is one receiver, for the controller.
-    pub fn take_trigger_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
+    pub fn take_wake_receiver(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>> {
         lock(&self.wake_rx).take()
     }
 }
@@ -284,13 +284,13 @@ pub async fn run(config: RunConfig) -> Result<(), Error> {
     let writer = ctx.gate.clone();
     let scope = Scope { namespace: namespace.clone(), only: only_namespaces.map(Arc::new) };
     let controller = run_controller(scope, ctx, health);
-    let stalled = || writer.writer_unanswered().filter(|d| *d >= gate::WRITER_STALL);
+    let stalled = || writer.writer_unanswered().filter(|d| *d >= gate_io::WRITER_STALL);
     let outcome = match &elector {
         Some((e, since)) => tokio::select! {
             () = controller => Ok(()),
             end = e.hold(*since, || stalled().is_some()) => Err(match end {
                 HoldEnd::Lost => Error::LeadershipLost,
-                HoldEnd::Unfit => Error::WriterStalled(stalled().unwrap_or(gate::WRITER_STALL)),
+                HoldEnd::Unfit => Error::WriterStalled(stalled().unwrap_or(gate_io::WRITER_STALL)),
             }),
         },
         None => {
@@ -390,7 +390,7 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     let client = ctx.client.clone();
     let scope = Arc::new(scope);
     let ns = scope.namespace.as_deref();
-    let consumer_changes = ctx.take_trigger_receiver().expect("taken once");
+    let wakes = ctx.take_wake_receiver().expect("taken once");
     tracing::info!(namespace = ns.unwrap_or("*"), "starting controller");
     // The gate's index is fed by the watches themselves: no LISTs per reconcile.
     let gate = ctx.gate.clone();
@@ -399,12 +399,12 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
         health.set_synced();
     });
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(scope.watch::<Deployment>(&client), move |e| g.on(e)));
+    tokio::spawn(gate_io::feed(scope.watch::<Deployment>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(scope.watch::<StatefulSet>(&client), move |e| g.on(e)));
+    tokio::spawn(gate_io::feed(scope.watch::<StatefulSet>(&client), move |e| g.on(e)));
     if serves_rollouts(&client).await {
         let g = ctx.gate.clone();
-        tokio::spawn(gate::feed(scope.watch::<Rollout>(&client), move |e| g.on(e)));
+        tokio::spawn(gate_io::feed(scope.watch::<Rollout>(&client), move |e| g.on(e)));
     } else {
         tracing::info!(
             "the cluster serves no Argo Rollouts API (argoproj.io/v1alpha1 rollouts): Rollouts are not watched; restart the operator after installing Argo Rollouts"
@@ -413,11 +413,11 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     }
     // Only the owner of each ReplicaSet is read: it leads a pod to its Deployment or Rollout.
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(scope.watch::<kube::api::PartialObjectMeta<ReplicaSet>>(&client), move |e| g.on(e)));
+    tokio::spawn(gate_io::feed(scope.watch::<kube::api::PartialObjectMeta<ReplicaSet>>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(scope.watch::<Pod>(&client), move |e| g.on(e)));
+    tokio::spawn(gate_io::feed(scope.watch::<Pod>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
-    tokio::spawn(gate::feed(scope.watch::<PodDisruptionBudget>(&client), move |e| g.on(e)));
+    tokio::spawn(gate_io::feed(scope.watch::<PodDisruptionBudget>(&client), move |e| g.on(e)));
     // Status-only updates must not trigger a reconcile: counts change on every pass over a busy
     // queue, so each status patch would otherwise start the next pass at once. Spec changes bump
     // the generation (deletion too); finalizer edits do not, so they are watched as well. The
@@ -436,10 +436,9 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
         .reflect(policy_writer)
         .applied_objects()
         .predicate_filter(predicates::generation.combine(predicates::finalizers), Default::default());
-    let consumer_changes =
-        futures::stream::unfold(consumer_changes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
+    let wakes = futures::stream::unfold(wakes, |mut rx| async { rx.recv().await.map(|r| (r, rx)) });
     let policies = Controller::for_stream(trigger, policy_store)
-        .reconcile_on(consumer_changes)
+        .reconcile_on(wakes)
         .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx.clone())
@@ -547,7 +546,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         recheck = Some(FINDINGS_EVERY);
     }
     if let Ok(QueuePlan { gate: Some(gate_plan), .. }) = &planned {
-        let pass = gate::run(policy, gate_plan, ctx).await?;
+        let pass = gate_io::run(policy, gate_plan, ctx).await?;
         outcome.gate = Some(pass.report);
         events.extend(pass.events);
         recheck = [recheck, pass.recheck_after].into_iter().flatten().min();

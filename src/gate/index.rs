@@ -12,16 +12,16 @@
 //! not yet seen back through the watch counts as done, so nothing is sent twice.
 
 use super::{
-    GatePlan, PodPatch,
+    PodPatch,
     guards::Selects,
     pods::{Ownership, PodFacts, ownership},
-    verdict::{self, Ballot, GateReason, PolicyVote, Verdict, Vote},
+    verdict::{self, Ballot, GateReason, PodVerdict, PolicyVote, Vote},
 };
 use crate::{
     consumers::{Consumer, QueueKey, Tracking},
-    crd::{GateMode, QueuePolicy},
+    crd::GateMode,
     names::MANAGED_BY,
-    plan::{self, Limits},
+    plan::GatePlan,
     workload::{Judgement, Kind, Workload, WorkloadKey, owner::PodOwner},
 };
 use k8s_openapi::{api::policy::v1::PodDisruptionBudget, apimachinery::pkg::apis::meta::v1::LabelSelector};
@@ -72,22 +72,6 @@ pub struct PolicyFacts {
 }
 
 impl PolicyFacts {
-    /// Every policy has facts: one without spec.consumers guards nothing, but its queue's
-    /// changes (a deletion behind the operator's back) still wake it.
-    pub fn from_policy(policy: &QueuePolicy, limits: Limits) -> Self {
-        let plan = match plan::plan(policy, limits) {
-            Ok(p) => p.gate.ok_or(NoGate::NoConsumers),
-            Err(errors) => Err(NoGate::Invalid(plan::describe(&errors))),
-        };
-        Self {
-            key: ObjectKey::of(policy),
-            uid: policy.uid().unwrap_or_default(),
-            selects: Selects::of(policy),
-            plan,
-            deleting: policy.metadata.deletion_timestamp.is_some(),
-        }
-    }
-
     /// The plan of a policy that acts on pods: valid, in Enforce mode, not being deleted.
     pub fn enforcing(&self) -> Option<&GatePlan> {
         self.plan.as_ref().ok().filter(|p| p.mode == GateMode::Enforce && !self.deleting)
@@ -119,7 +103,7 @@ pub enum Unbound {
 
 /// The broker queue whose consumers a policy counts, on the tracker `source`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Binding {
+pub struct BoundQueue {
     pub source: u64,
     pub queue: QueueKey,
     /// Its dead-letter queue, whose deletion also wakes the policy (it is declared again).
@@ -242,7 +226,7 @@ pub struct Effects {
 
 struct PolicyEntry {
     facts: PolicyFacts,
-    binding: Result<Binding, Unbound>,
+    binding: Result<BoundQueue, Unbound>,
 }
 
 struct PodEntry {
@@ -253,7 +237,7 @@ struct PodEntry {
     /// After a failed write: no new write before this.
     retry_at: i64,
     /// The last verdict (what the pod waits for), for status.
-    verdict: Option<Verdict>,
+    verdict: Option<PodVerdict>,
 }
 
 impl PodEntry {
@@ -371,7 +355,7 @@ impl GateIndex {
     }
 
     /// Records which queue (on which tracker) a policy counts consumers on, or why it cannot.
-    pub fn bind(&mut self, key: &ObjectKey, binding: Result<Binding, Unbound>) {
+    pub fn bind(&mut self, key: &ObjectKey, binding: Result<BoundQueue, Unbound>) {
         let Some(entry) = self.policies.get_mut(key) else { return };
         if entry.binding == binding {
             return;
@@ -389,7 +373,7 @@ impl GateIndex {
         self.touch_guarded(key);
     }
 
-    fn unbind_queue(&mut self, b: &Binding, key: &ObjectKey) {
+    fn unbind_queue(&mut self, b: &BoundQueue, key: &ObjectKey) {
         let slots = [(&mut self.bound, Some(&b.queue)), (&mut self.dead_letters, b.dead_letter_queue.as_ref())];
         for (map, queue) in slots {
             let Some(slot) = queue.map(|q| (b.source, q.clone())) else { continue };
@@ -1223,14 +1207,14 @@ impl<'a> ConsumerCache<'a> {
         Self { source, consumers: HashMap::new(), tracking: HashMap::new() }
     }
 
-    fn consumers(&mut self, b: &Binding) -> Arc<Vec<Consumer>> {
+    fn consumers(&mut self, b: &BoundQueue) -> Arc<Vec<Consumer>> {
         self.consumers
             .entry((b.source, b.queue.clone()))
             .or_insert_with(|| Arc::new(self.source.consumers_on(b.source, &b.queue)))
             .clone()
     }
 
-    fn tracking(&mut self, b: &Binding) -> Tracking {
+    fn tracking(&mut self, b: &BoundQueue) -> Tracking {
         self.tracking
             .entry((b.source, b.queue.vhost.clone()))
             .or_insert_with(|| self.source.tracking(b.source, &b.queue.vhost))

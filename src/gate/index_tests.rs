@@ -130,7 +130,7 @@ fn index(policies: Vec<(PolicyFacts, &str)>) -> GateIndex {
     i.replace_policies(policies.into_iter().map(|(p, _)| p).collect());
     for (key, queue) in keys {
         let dead_letter_queue = Some(q(&format!("{queue}.dlq")));
-        i.bind(&key, Ok(Binding { source: SOURCE, queue: q(queue), dead_letter_queue }));
+        i.bind(&key, Ok(BoundQueue { source: SOURCE, queue: q(queue), dead_letter_queue }));
     }
     i.replace_workloads(Kind::Deployment, vec![deployment("worker", &[("tier", "consumers")])]);
     crate::testing::sync_workload_feeds(&mut i);

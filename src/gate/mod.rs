@@ -25,21 +25,39 @@ pub mod verdict;
 
 use crate::{
     consumers::Tracking,
+    consumers::output::rfc3339,
     crd::{
         BudgetOwner, ConsumersObservation, DisruptionBudgetObservation, GateMode, MatchBy, PodAttachment, PodGate,
-        RolloutObservation, RolloutPhase, WaitingPod,
+        QueuePolicy, RolloutObservation, RolloutPhase, WaitingPod,
     },
     events::{EventReason, EventSpec},
     names::GATE_CONDITION,
-    plan::GatePlan,
+    plan::{GatePlan, Limits},
     status::{Check, Reason, Truth},
     workload::Judgement,
 };
-use index::{Budget, ObjectKey, PolicyView};
+use index::{Budget, NoGate, ObjectKey, PolicyFacts, PolicyView};
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+use kube::ResourceExt;
 use serde_json::{Value, json};
 use std::time::Duration;
 pub use verdict::GateReason;
+
+/// What the index needs of a QueuePolicy. Every policy has facts: one without spec.consumers
+/// guards nothing, but its queue's changes (a deletion behind the operator's back) still wake it.
+pub fn policy_facts(policy: &QueuePolicy, limits: Limits) -> PolicyFacts {
+    let plan = match crate::plan::plan(policy, limits) {
+        Ok(p) => p.gate.ok_or(NoGate::NoConsumers),
+        Err(errors) => Err(NoGate::Invalid(crate::plan::describe(&errors))),
+    };
+    PolicyFacts {
+        key: ObjectKey::of(policy),
+        uid: policy.uid().unwrap_or_default(),
+        selects: guards::Selects::of(policy),
+        plan,
+        deleting: policy.metadata.deletion_timestamp.is_some(),
+    }
+}
 
 /// One pod condition to write: a flip of the pod's combined verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -300,10 +318,6 @@ fn budget_observations(view: &PolicyView) -> Vec<DisruptionBudgetObservation> {
 /// A status time, in whole seconds as the API stores it.
 fn time(ms: i64) -> Time {
     Time(Timestamp::from_second(ms.div_euclid(1000)).unwrap_or(Timestamp::UNIX_EPOCH))
-}
-
-fn rfc3339(ms: i64) -> String {
-    crate::consumers::output::rfc3339(ms)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! index, pod condition patches and the policy's report out. No cluster, no broker.
 
 use super::{
-    index::{Binding, Consumers, GateIndex, ObjectKey, PolicyFacts, Write},
+    index::{BoundQueue, Consumers, GateIndex, ObjectKey, PolicyFacts, Write},
     pods::{GateCondition, PodFacts},
     *,
 };
@@ -106,7 +106,7 @@ fn run(
         plan: Ok(plan.clone()),
         deleting: false,
     }]);
-    index.bind(&key, Ok(Binding { source: 1, queue: queue(), dead_letter_queue: None }));
+    index.bind(&key, Ok(BoundQueue { source: 1, queue: queue(), dead_letter_queue: None }));
     index.replace_workloads(Kind::Deployment, deployments.iter().cloned().map(Workload::new).collect());
     crate::testing::sync_workload_feeds(&mut index);
     index.replace_budgets(vec![]);
@@ -246,7 +246,7 @@ fn a_stalled_rollout_is_announced_once() {
         deleting: false,
     };
     index.replace_policies(vec![facts]);
-    index.bind(&key, Ok(Binding { source: 1, queue: queue(), dead_letter_queue: None }));
+    index.bind(&key, Ok(BoundQueue { source: 1, queue: queue(), dead_letter_queue: None }));
     index.replace_workloads(Kind::Deployment, vec![Workload::new(deployment(1))]);
     crate::testing::sync_workload_feeds(&mut index);
     index.replace_budgets(vec![]);

@@ -9,6 +9,7 @@
 
 use super::GatePlan;
 use crate::{
+    consumers::output::rfc3339,
     consumers::{Consumer, Tracking},
     crd::FailurePolicy,
 };
@@ -150,7 +151,7 @@ pub fn vote(b: &Ballot) -> PolicyVote {
 
 /// The pod's one condition, from every Enforce policy's vote (with its queue's name).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Verdict {
+pub struct PodVerdict {
     /// None: hold (leave the condition as it is).
     pub open: Option<bool>,
     pub reason: GateReason,
@@ -159,9 +160,9 @@ pub struct Verdict {
     pub waiting_for: Vec<String>,
 }
 
-pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
+pub fn combine(votes: &[(String, &Vote)]) -> PodVerdict {
     if votes.is_empty() {
-        return Verdict {
+        return PodVerdict {
             open: Some(true),
             reason: GateReason::NotGuarded,
             message: "no QueuePolicy in Enforce mode guards this pod's workload".into(),
@@ -181,7 +182,7 @@ pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
     if let Some((_, reason, _)) = closed.first() {
         let waiting_for: Vec<String> = closed.iter().map(|(q, ..)| q.to_string()).collect();
         let detail: Vec<String> = closed.iter().map(|(q, _, m)| format!("{q}: {m}")).collect();
-        return Verdict {
+        return PodVerdict {
             open: Some(false),
             reason: *reason,
             message: format!("waiting for {}", detail.join("; ")),
@@ -196,7 +197,7 @@ pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
         })
         .collect();
     if let Some((_, reason, _)) = held.first() {
-        return Verdict {
+        return PodVerdict {
             open: None,
             reason: *reason,
             message: format!(
@@ -219,9 +220,5 @@ pub fn combine(votes: &[(String, &Vote)]) -> Verdict {
         [(_, _, m)] => m.to_string(),
         many => many.iter().map(|(q, _, m)| format!("{q}: {m}")).collect::<Vec<_>>().join("; "),
     };
-    Verdict { open: Some(true), reason, message, waiting_for: vec![] }
-}
-
-fn rfc3339(ms: i64) -> String {
-    crate::consumers::output::rfc3339(ms)
+    PodVerdict { open: Some(true), reason, message, waiting_for: vec![] }
 }

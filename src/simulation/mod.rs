@@ -25,7 +25,7 @@ use crate::{
     crd::{ConsumersSpec, FailurePolicy, GateMode, MatchBy},
     gate::{
         guards::Selects,
-        index::{Binding, Consumers, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, Write},
+        index::{BoundQueue, Consumers, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, Write},
     },
     plan::{self, GatePlan, Limits},
     workload::{
@@ -271,7 +271,7 @@ impl Guard {
         let names: Vec<ObjectKey> = policies.iter().map(|p| p.key.clone()).collect();
         index.replace_policies(policies);
         for (name, queue) in names.iter().zip(keys) {
-            index.bind(name, Ok(Binding { source: tracker.id(), queue: queue.clone(), dead_letter_queue: None }));
+            index.bind(name, Ok(BoundQueue { source: tracker.id(), queue: queue.clone(), dead_letter_queue: None }));
         }
         index.replace_budgets(vec![]);
         for kind in [Kind::Deployment, Kind::StatefulSet, Kind::Rollout] {

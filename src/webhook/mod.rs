@@ -7,13 +7,7 @@ pub mod certs;
 pub mod server;
 
 pub use crate::names::{NAMESPACE_LABEL, NAMESPACE_LABEL_TEXT};
-use crate::{
-    crd::QueuePolicy,
-    gate::{guards::Selects, index::PolicyFacts},
-    names::GATE_CONDITION,
-    plan::Limits,
-    workload::WorkloadKey,
-};
+use crate::{crd::QueuePolicy, gate::guards::Selects, names::GATE_CONDITION, plan::Limits, workload::WorkloadKey};
 use base64::Engine;
 use json_patch::{AddOperation, Patch, PatchOperation, jsonptr::PointerBuf};
 use k8s_openapi::api::core::v1::Pod;
@@ -31,7 +25,7 @@ pub fn enforcing_in<'a>(policies: &'a [std::sync::Arc<QueuePolicy>], namespace: 
         .iter()
         .map(|p| &**p)
         .filter(|p| p.namespace().as_deref() == Some(namespace))
-        .filter(|p| PolicyFacts::from_policy(p, Limits::default()).enforcing().is_some())
+        .filter(|p| crate::gate::policy_facts(p, Limits::default()).enforcing().is_some())
         .collect()
 }
 
