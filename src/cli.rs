@@ -6,7 +6,6 @@ use crate::{
     plan::Limits,
 };
 use crate::{
-    controller::Error,
     leader::LeaseConfig,
     webhook::{
         certs::SelfSigned,
@@ -295,7 +294,7 @@ pub struct RunArgs {
 
 impl RunArgs {
     /// The operator's configuration, or the flag mistake that keeps it from starting.
-    pub fn config(&self) -> Result<controller::RunConfig, Error> {
+    pub fn config(&self) -> Result<controller::RunConfig, ConfigError> {
         let only: std::collections::BTreeSet<String> =
             self.namespaces.iter().map(|n| n.trim().to_owned()).filter(|n| !n.is_empty()).collect();
         Ok(controller::RunConfig {
@@ -309,20 +308,20 @@ impl RunArgs {
     }
 
     /// The leader Lease, when leader election is on.
-    pub fn lease(&self) -> Result<Option<LeaseConfig>, Error> {
+    pub fn lease(&self) -> Result<Option<LeaseConfig>, ConfigError> {
         if !self.leader_election {
             return Ok(None);
         }
         let namespace = self.own_namespace("--leader-election")?;
         let identity = match &self.pod_name {
             Some(name) => name.clone(),
-            None => std::env::var("HOSTNAME").map_err(|_| Error::MissingPodName)?,
+            None => std::env::var("HOSTNAME").map_err(|_| ConfigError::MissingPodName)?,
         };
         Ok(Some(LeaseConfig::new(self.lease_name.clone(), namespace, identity)))
     }
 
     /// The webhook, when --webhook-addr is given.
-    pub fn webhook(&self) -> Result<Option<Webhook>, Error> {
+    pub fn webhook(&self) -> Result<Option<Webhook>, ConfigError> {
         let Some(addr) = self.webhook_addr else { return Ok(None) };
         let certs = match (&self.webhook_cert_dir, &self.webhook_secret) {
             (Some(dir), _) => CertSource::Dir(dir.clone()),
@@ -332,14 +331,27 @@ impl RunArgs {
                 service: self.webhook_service.clone().unwrap_or_default(),
                 webhook_config: self.webhook_config.clone().unwrap_or_default(),
             }),
-            (None, None) => return Err(Error::MissingWebhookCertificate),
+            (None, None) => return Err(ConfigError::MissingWebhookCertificate),
         };
         Ok(Some(Webhook { addr, certs, timeouts: Default::default() }))
     }
 
-    fn own_namespace(&self, flag: &'static str) -> Result<String, Error> {
-        self.pod_namespace.clone().filter(|ns| !ns.is_empty()).ok_or(Error::MissingNamespace { flag })
+    fn own_namespace(&self, flag: &'static str) -> Result<String, ConfigError> {
+        self.pod_namespace.clone().filter(|ns| !ns.is_empty()).ok_or(ConfigError::MissingNamespace { flag })
     }
+}
+
+/// What `queueguard run`'s flags and environment lack.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--leader-election needs this replica's name: set POD_NAME or --pod-name")]
+    MissingPodName,
+    #[error("{flag} needs the operator's namespace: set POD_NAMESPACE or --pod-namespace")]
+    MissingNamespace { flag: &'static str },
+    #[error(
+        "--webhook-addr needs a certificate: --webhook-cert-dir, or --webhook-secret with --webhook-service and --webhook-config"
+    )]
+    MissingWebhookCertificate,
 }
 
 #[derive(clap::Args, Debug)]
@@ -397,12 +409,18 @@ pub fn main() -> ExitCode {
             Command::Status(args) => status(args).await,
             Command::Uninstall(args) => uninstall(args).await,
             // Flag mistakes first: they need no cluster to be reported.
-            Command::Run(args) => match async { controller::run(args.config()?).await }.await {
-                Ok(()) => ExitCode::SUCCESS,
+            Command::Run(args) => match args.config() {
                 Err(e) => {
-                    tracing::error!(error = %e, "controller stopped");
+                    tracing::error!(error = %e, "cannot start");
                     ExitCode::FAILURE
                 }
+                Ok(config) => match controller::run(config).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        tracing::error!(error = %e, "controller stopped");
+                        ExitCode::FAILURE
+                    }
+                },
             },
         }
     })

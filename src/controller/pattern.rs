@@ -2,7 +2,7 @@
 //! queues every [`FINDINGS_EVERY`], report status, Events and metrics; on deletion remove the
 //! policy (the queues stay).
 
-use super::{Context, Error, FIELD_MANAGER, FINDINGS_EVERY, broker_from_secret, finalized, publish_for};
+use super::{Context, Error, FINDINGS_EVERY, broker_from_secret, finalized, publish_for, status_writer::write_status};
 use crate::{
     events::{EventReason, EventSpec},
     metrics::PolicyLabels,
@@ -14,14 +14,13 @@ use crate::{
     },
     plan,
     status::{Check, Reason},
+    sync::lock,
 };
 use k8s_openapi::jiff::Timestamp;
 use kube::{
-    Api, ResourceExt,
-    api::{Patch, PatchParams},
+    ResourceExt,
     runtime::{controller::Action, finalizer::Event as Finalizer, reflector::ObjectRef},
 };
-use serde_json::json;
 use std::sync::Arc;
 
 #[tracing::instrument(skip_all, fields(pattern = %format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())))]
@@ -57,10 +56,9 @@ async fn apply(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
                                     "; {elsewhere} matching queue(s) follow another policy with a higher priority instead"
                                 ));
                             }
-                            let memory =
-                                ctx.watched.lock().unwrap_or_else(|e| e.into_inner()).remove(&me).unwrap_or_default();
+                            let memory = lock(&ctx.watched).remove(&me).unwrap_or_default();
                             let (memory, report) = pattern::evaluate(&memory, &seen, &plan.ignore);
-                            ctx.watched.lock().unwrap_or_else(|e| e.into_inner()).insert(me.clone(), memory);
+                            lock(&ctx.watched).insert(me.clone(), memory);
                             Some(report)
                         }
                         Err(e) => {
@@ -82,20 +80,16 @@ async fn apply(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
     let previous = p.status.as_ref();
     let status = next_status(previous, &ready, report.as_ref(), policy, p.metadata.generation, Timestamp::now());
     if previous != Some(&status) {
-        let api: Api<QueuePattern> = Api::namespaced(ctx.client.clone(), &ns);
-        let patch = json!({ "apiVersion": crate::crd::API_VERSION, "kind": "QueuePattern", "status": status });
-        api.patch_status(&p.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
         let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
-        for event in transitions(old, &status.conditions) {
-            publish_for(p, ctx, &event).await;
-        }
+        let events = transitions(old, &status.conditions);
+        write_status(p, ctx, &status, events).await?;
     }
     Ok(Action::requeue(FINDINGS_EVERY))
 }
 
 async fn cleanup(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(p);
-    ctx.watched.lock().unwrap_or_else(|e| e.into_inner()).remove(&me);
+    lock(&ctx.watched).remove(&me);
     ctx.metrics.forget_pattern(&PolicyLabels { namespace: p.namespace().unwrap_or_default(), policy: p.name_any() });
     let Ok(plan) = pattern::plan(p, ctx.limits) else { return Ok(Action::await_change()) };
     let ns = p.namespace().unwrap_or_else(|| "default".into());
