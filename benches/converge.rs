@@ -221,16 +221,16 @@ async fn main() {
     }
     let cold_methods = methods.load(Ordering::Relaxed);
     // The trackers' snapshots count with the reconciles' requests.
-    let mgmt = || ctx.brokers.management_requests() + ctx.trackers.management_requests();
+    let mgmt = || ctx.shared.brokers.management_requests() + ctx.trackers.management_requests();
     let cold_mgmt = mgmt();
-    let connections = ctx.brokers.connections_opened() + ctx.trackers.connections_opened();
+    let connections = ctx.shared.brokers.connections_opened() + ctx.trackers.connections_opened();
     // The declarations and the event subscription each have a connection of their own: a
     // connection-level close caused by one policy's operation must not silence the events.
     let open = |states: Vec<(String, bool)>| states.iter().filter(|(_, up)| *up).count();
     println!(
         "  operator cold start: {:.2}s, {ready}/{n} Ready, {failed} failed reconciles, {cold_methods} AMQP methods, {cold_mgmt} management requests, {connections} AMQP connection(s) opened, open now: {} for declarations, {} for events",
         operator.as_secs_f64(),
-        open(ctx.brokers.connection_states()),
+        open(ctx.shared.brokers.connection_states()),
         open(ctx.trackers.connection_states())
     );
 

@@ -692,7 +692,7 @@ async fn main() {
 
     // Steady state: nothing changes; reconciles keep coming every 20 s (the findings' looks).
     let before = api.snapshot();
-    let mgmt = || ctx.brokers.management_requests() + ctx.trackers.management_requests();
+    let mgmt = || ctx.shared.brokers.management_requests() + ctx.trackers.management_requests();
     let mgmt_before = mgmt();
     tokio::time::sleep(Duration::from_secs(steady_secs)).await;
     let steady = since(&before, &api.snapshot());

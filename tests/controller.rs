@@ -235,7 +235,7 @@ async fn deleting_with_retain_leaves_the_queue_and_releases_the_finalizer() {
     });
     assert_eq!(run(p, ctx.clone()).await.unwrap(), Action::await_change());
     server.await.unwrap();
-    let metrics = ctx.metrics.render();
+    let metrics = ctx.shared.metrics.render();
     assert!(!metrics.contains(&name), "a deleted policy leaves no series behind:\n{metrics}");
 }
 

@@ -184,7 +184,7 @@ fn secret() -> Value {
 async fn the_controller_applies_the_policy_and_reports_status_and_events() {
     const PATTERNS: &str = "/apis/queueguard.io/v1alpha1/namespaces/test/queuepatterns";
     let (client, mut api) = mock_client();
-    let ctx = Arc::new(Context::new(client, &unique("pattern-ctrl")));
+    let ctx = Arc::new(Context::new(client, &unique("pattern-ctrl")).patterns());
     let name = unique("ctrl-pattern");
     let mut p = pattern_doc(&name, &format!("pattern: '^{}\\.'", regex_escape(&name)));
     p.metadata.finalizers = Some(vec![FINALIZER.into()]);

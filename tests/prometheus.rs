@@ -272,11 +272,11 @@ async fn a_real_prometheus_scrapes_the_operator_fires_an_alert_and_answers_every
     // The operator's /metrics, as `run` serves it on a replica acting without leader election.
     let health = Arc::new(Health::new(false));
     health.set_leading(true);
-    ctx.metrics.leading(true);
+    ctx.shared.metrics.leading(true);
     let endpoints = Arc::new(Endpoints {
-        metrics: ctx.metrics.clone(),
+        metrics: ctx.shared.metrics.clone(),
         health,
-        brokers: ctx.brokers.clone(),
+        brokers: ctx.shared.brokers.clone(),
         trackers: ctx.trackers.clone(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -285,7 +285,7 @@ async fn a_real_prometheus_scrapes_the_operator_fires_an_alert_and_answers_every
     let exposition = reqwest::get(format!("http://{target}/metrics")).await.unwrap().text().await.unwrap();
     // What the operator exports: every family it registers (one without series yet has no
     // line in the exposition), and every name it does expose.
-    let mut exported: BTreeSet<String> = ctx.metrics.sample_names().iter().cloned().collect();
+    let mut exported: BTreeSet<String> = ctx.shared.metrics.sample_names().iter().cloned().collect();
     let scraped = scraped_names(&exposition);
     assert!(scraped.is_subset(&exported), "{:?} exposed but not declared", scraped.difference(&exported));
     exported.extend(scraped);

@@ -81,26 +81,37 @@ impl Error {
     }
 }
 
-/// Everything a reconcile reaches for.
-pub struct Context {
+/// What both controllers reach for: the API client, the broker endpoints and the Secrets naming
+/// them, metrics and Events.
+pub struct Shared {
     pub client: Client,
     pub brokers: Arc<BrokerPool>,
-    /// One consumer tracker per broker server.
-    pub trackers: Arc<TrackerPool>,
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub limits: Limits,
-    /// The rollout gate: its index, the pod condition writer, and what wakes policies.
+    secrets: secrets::Secrets,
+}
+
+/// What a QueuePolicy reconcile reaches for.
+pub struct Context {
+    pub shared: Arc<Shared>,
+    /// One consumer tracker per broker server.
+    pub trackers: Arc<TrackerPool>,
+    /// The rollout gate: its index, the one writer, and what wakes policies.
     pub gate: Arc<Gate>,
     wake_rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<QueuePolicy>>>>,
     /// What the operator keeps about each policy between reconciles; removed with the policy.
     memos: Mutex<HashMap<ObjectRef<QueuePolicy>, Memo>>,
-    /// What the QueuePattern watch remembers between looks.
-    watched: pattern::Watched,
-    secrets: secrets::Secrets,
     /// Every QueuePolicy and QueuePattern as the controllers' watches hold them, for what a
     /// deleted policy must leave to the others (`claims`).
     others: std::sync::OnceLock<Others>,
+}
+
+/// What a QueuePattern reconcile reaches for.
+pub struct PatternContext {
+    pub shared: Arc<Shared>,
+    /// What the QueuePattern watch remembers between looks.
+    watched: pattern::Watched,
 }
 
 /// The watch caches of the two kinds that name broker entities.
@@ -146,19 +157,25 @@ impl Context {
         let trackers = Arc::new(TrackerPool::new(connection_name));
         tokio::spawn(sweep_brokers(Arc::downgrade(&brokers), Arc::downgrade(&trackers)));
         Self {
-            recorder,
-            brokers,
+            shared: Arc::new(Shared {
+                recorder,
+                brokers,
+                metrics,
+                client,
+                limits,
+                secrets: secrets::Secrets::default(),
+            }),
             trackers,
-            metrics,
-            client,
-            limits,
             gate,
             wake_rx: Mutex::new(Some(wake_rx)),
             memos: Mutex::default(),
-            watched: Mutex::default(),
-            secrets: secrets::Secrets::default(),
             others: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The QueuePattern controller's context, sharing this one's client, brokers and Secrets.
+    pub fn patterns(&self) -> PatternContext {
+        PatternContext { shared: self.shared.clone(), watched: Mutex::default() }
     }
 }
 
@@ -178,7 +195,7 @@ impl Context {
         if tokio::time::timeout(SYNC_WAIT, ready).await.ok().flatten().is_none() {
             return Err(Error::NotSynced);
         }
-        Ok(claims::others(policy, plan, &others.policies.state(), &others.patterns.state(), self.limits))
+        Ok(claims::others(policy, plan, &others.policies.state(), &others.patterns.state(), self.shared.limits))
     }
 
     /// The stream of policies the gate wakes up (their pods, Deployments, budgets or queue's
@@ -204,7 +221,7 @@ async fn sweep_brokers(brokers: std::sync::Weak<BrokerPool>, trackers: std::sync
 
 /// Runs one reconcile of a namespaced resource behind the operator's finalizer, counting it in
 /// the metrics. The handler's own errors come back as they are, not wrapped.
-pub(crate) async fn finalized<K, F, Fut>(object: Arc<K>, ctx: &Context, handle: F) -> Result<Action, Error>
+pub(crate) async fn finalized<K, F, Fut>(object: Arc<K>, ctx: &Shared, handle: F) -> Result<Action, Error>
 where
     K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
         + Clone
@@ -234,7 +251,7 @@ where
 /// The broker endpoint whose credentials Secret `secret_name` holds, or the condition saying
 /// why not.
 pub(crate) async fn broker_from_secret(
-    ctx: &Context,
+    ctx: &Shared,
     ns: &str,
     secret_name: &str,
     vhost: Option<&str>,
@@ -246,7 +263,7 @@ pub(crate) async fn broker_from_secret(
 }
 
 /// Publishes an Event; a failure is logged, never fatal to the reconcile.
-pub(crate) async fn publish_for<K: Resource<DynamicType = ()>>(object: &K, ctx: &Context, spec: &EventSpec) {
+pub(crate) async fn publish_for<K: Resource<DynamicType = ()>>(object: &K, ctx: &Shared, spec: &EventSpec) {
     let event = Event {
         type_: if spec.warning { EventType::Warning } else { EventType::Normal },
         reason: spec.reason.as_str().into(),
@@ -288,7 +305,7 @@ mod tests {
             );
             body["note"].as_str().unwrap().to_owned()
         });
-        publish_for(&policy, &ctx, &spec).await;
+        publish_for(&policy, &ctx.shared, &spec).await;
         let note = server.await.unwrap();
         assert!(spec.note.len() > 2_000 && note.len() <= 1024, "{} bytes", note.len());
         assert!(note.starts_with("pod worker-abc waits") && note.ends_with("..."));

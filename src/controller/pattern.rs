@@ -2,7 +2,9 @@
 //! queues every [`FINDINGS_EVERY`], report status, Events and metrics; on deletion remove the
 //! policy (the queues stay).
 
-use super::{Context, Error, FINDINGS_EVERY, broker_from_secret, finalized, publish_for, status_writer::write_status};
+use super::{
+    Error, FINDINGS_EVERY, PatternContext, broker_from_secret, finalized, publish_for, status_writer::write_status,
+};
 use crate::{
     events::{EventReason, EventSpec},
     metrics::PolicyLabels,
@@ -24,8 +26,8 @@ use kube::{
 use std::sync::Arc;
 
 #[tracing::instrument(skip_all, fields(pattern = %format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())))]
-pub async fn reconcile(p: Arc<QueuePattern>, ctx: Arc<Context>) -> Result<Action, Error> {
-    finalized(p, &ctx, |event| async {
+pub async fn reconcile(p: Arc<QueuePattern>, ctx: Arc<PatternContext>) -> Result<Action, Error> {
+    finalized(p, &ctx.shared, |event| async {
         match event {
             Finalizer::Apply(p) => apply(&p, &ctx).await,
             Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
@@ -34,17 +36,17 @@ pub async fn reconcile(p: Arc<QueuePattern>, ctx: Arc<Context>) -> Result<Action
     .await
 }
 
-pub fn error_policy(_: Arc<QueuePattern>, error: &Error, _: Arc<Context>) -> Action {
+pub fn error_policy(_: Arc<QueuePattern>, error: &Error, _: Arc<PatternContext>) -> Action {
     tracing::warn!(error = %error, kind = error.metric_label(), "QueuePattern reconcile error");
     Action::requeue(std::time::Duration::from_secs(15))
 }
 
-async fn apply(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
+async fn apply(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> {
     let ns = p.namespace().unwrap_or_else(|| "default".into());
     let me = ObjectRef::from_obj(p);
-    let (ready, report, policy) = match pattern::plan(p, ctx.limits) {
+    let (ready, report, policy) = match pattern::plan(p, ctx.shared.limits) {
         Err(errors) => (Check::failed(Reason::InvalidSpec, plan::describe(&errors)), None, None),
-        Ok(plan) => match broker_from_secret(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
+        Ok(plan) => match broker_from_secret(&ctx.shared, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
             Err(check) => (check, None, None),
             Ok(broker) => {
                 let mut applied = apply_policy(&plan, &broker).await;
@@ -75,33 +77,39 @@ async fn apply(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
     };
     let labels = PolicyLabels { namespace: ns.clone(), policy: p.name_any() };
     if let Some(r) = &report {
-        ctx.metrics.record_pattern(&labels, r);
+        ctx.shared.metrics.record_pattern(&labels, r);
     }
     let previous = p.status.as_ref();
     let status = next_status(previous, &ready, report.as_ref(), policy, p.metadata.generation, Timestamp::now());
     if previous != Some(&status) {
         let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
         let events = transitions(old, &status.conditions);
-        write_status(p, ctx, &status, events).await?;
+        write_status(p, &ctx.shared, &status, events).await?;
     }
     Ok(Action::requeue(FINDINGS_EVERY))
 }
 
-async fn cleanup(p: &QueuePattern, ctx: &Context) -> Result<Action, Error> {
+async fn cleanup(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(p);
     lock(&ctx.watched).remove(&me);
-    ctx.metrics.forget_pattern(&PolicyLabels { namespace: p.namespace().unwrap_or_default(), policy: p.name_any() });
-    let Ok(plan) = pattern::plan(p, ctx.limits) else { return Ok(Action::await_change()) };
+    ctx.shared
+        .metrics
+        .forget_pattern(&PolicyLabels { namespace: p.namespace().unwrap_or_default(), policy: p.name_any() });
+    let Ok(plan) = pattern::plan(p, ctx.shared.limits) else { return Ok(Action::await_change()) };
     let ns = p.namespace().unwrap_or_else(|| "default".into());
-    let note = match broker_from_secret(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
+    let note = match broker_from_secret(&ctx.shared, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
         Ok(broker) => match remove_policy(&plan, &broker).await {
             Ok(()) => format!("policy '{}' removed; the matching queues stay, without its expiry", plan.policy_name),
             Err(e) => return Err(Error::DeletionBlocked(format!("removing policy '{}': {e}", plan.policy_name))),
         },
         Err(check) => format!("policy '{}' left on the broker: {}", plan.policy_name, check.message),
     };
-    publish_for(p, ctx, &EventSpec { warning: false, reason: EventReason::PolicyRemoved, action: "Cleanup", note })
-        .await;
+    publish_for(
+        p,
+        &ctx.shared,
+        &EventSpec { warning: false, reason: EventReason::PolicyRemoved, action: "Cleanup", note },
+    )
+    .await;
     Ok(Action::await_change())
 }
 

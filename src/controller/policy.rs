@@ -36,7 +36,7 @@ const DELETION_RETRY: Duration = Duration::from_secs(30);
 
 #[tracing::instrument(skip_all, fields(policy = %format!("{}/{}", policy.namespace().unwrap_or_default(), policy.name_any())))]
 pub async fn reconcile(policy: Arc<QueuePolicy>, ctx: Arc<Context>) -> Result<Action, Error> {
-    finalized(policy, &ctx, |event| async {
+    finalized(policy, &ctx.shared, |event| async {
         match event {
             Finalizer::Apply(p) => apply(&p, &ctx).await,
             Finalizer::Cleanup(p) => cleanup(&p, &ctx).await,
@@ -57,7 +57,7 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let me = ObjectRef::from_obj(policy);
     let previous = last_written(ctx, policy).or_else(|| policy.status.clone());
     let previous = previous.as_ref();
-    let planned = plan::plan(policy, ctx.limits);
+    let planned = plan::plan(policy, ctx.shared.limits);
     ctx.gate.upsert_policy(policy);
     let (mut outcome, reached, mut events) = match &planned {
         Err(errors) => (Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))), None, vec![]),
@@ -167,11 +167,11 @@ async fn report(
     ctx: &Context,
 ) -> Result<(), Error> {
     let labels = PolicyLabels { namespace: policy.namespace().unwrap_or_default(), policy: policy.name_any() };
-    ctx.metrics.record_outcome(&labels, outcome);
+    ctx.shared.metrics.record_outcome(&labels, outcome);
     let status = next_status(previous, outcome, policy.metadata.generation, Timestamp::now());
     write_policy_status(policy, previous, status, ctx).await?;
     for event in events {
-        publish_for(policy, ctx, event).await;
+        publish_for(policy, &ctx.shared, event).await;
     }
     Ok(())
 }
@@ -232,9 +232,11 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     // No longer voting nor owning budgets: the index has the writer bring the budgets of its
     // workloads in line with the other guarding policies, or delete them.
     ctx.gate.forget_policy(&ObjectKey::of(policy));
-    ctx.metrics.forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
+    ctx.shared
+        .metrics
+        .forget(&PolicyLabels { namespace: me.namespace.clone().unwrap_or_default(), policy: me.name.clone() });
     lock(&ctx.memos).remove(&me);
-    let plan = match plan::plan(policy, ctx.limits) {
+    let plan = match plan::plan(policy, ctx.shared.limits) {
         Ok(plan) => plan,
         // A queue declared under an earlier, valid spec stays until the spec says again which it
         // is: the finalizer is not given up on a queue deletionPolicy Delete would remove.
@@ -265,7 +267,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         );
         publish_for(
             policy,
-            ctx,
+            &ctx.shared,
             &EventSpec {
                 warning: false,
                 reason: EventReason::Condition(Reason::QueueRetained),
@@ -283,7 +285,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
             let note = format!("queue '{}' left in place: {}", plan.queue, check.message);
             publish_for(
                 policy,
-                ctx,
+                &ctx.shared,
                 &EventSpec {
                     warning: true,
                     reason: EventReason::Condition(Reason::QueueRetained),
@@ -300,7 +302,7 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         Cleanup::Deleted(note) => {
             publish_for(
                 policy,
-                ctx,
+                &ctx.shared,
                 &EventSpec {
                     warning: false,
                     reason: EventReason::Condition(Reason::QueueDeleted),
@@ -339,5 +341,5 @@ async fn broker_of_policy(
     ctx: &Context,
 ) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
-    broker_from_secret(ctx, &ns, &plan.secret_name, plan.vhost.as_deref()).await
+    broker_from_secret(&ctx.shared, &ns, &plan.secret_name, plan.vhost.as_deref()).await
 }

@@ -62,9 +62,9 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
     let ctx = Arc::new(Context::new(client.clone(), &connection_name));
     let health = Arc::new(Health::new(lease.is_some()));
     let endpoints = Arc::new(Endpoints {
-        metrics: ctx.metrics.clone(),
+        metrics: ctx.shared.metrics.clone(),
         health: health.clone(),
-        brokers: ctx.brokers.clone(),
+        brokers: ctx.shared.brokers.clone(),
         trackers: ctx.trackers.clone(),
     });
     let http = tokio::net::TcpListener::bind(http_addr)
@@ -85,7 +85,7 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
         None => None,
     };
     health.set_leading(true);
-    ctx.metrics.leading(true);
+    ctx.shared.metrics.leading(true);
     let writer = ctx.gate.clone();
     let scope = Scope { namespace: namespace.clone(), only: only_namespaces.map(Arc::new) };
     let controller = run_controller(scope, ctx, health);
@@ -192,7 +192,7 @@ async fn serves_rollouts(client: &Client) -> bool {
 }
 
 async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
-    let client = ctx.client.clone();
+    let client = ctx.shared.client.clone();
     let scope = Arc::new(scope);
     let ns = scope.namespace.as_deref();
     let wakes = ctx.take_wake_receiver().expect("taken once");
@@ -262,7 +262,7 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     let patterns = Controller::for_stream(pattern_trigger, pattern_store)
         .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .shutdown_on_signal()
-        .run(pattern::reconcile, pattern::error_policy, ctx)
+        .run(pattern::reconcile, pattern::error_policy, Arc::new(ctx.patterns()))
         .for_each(|result| async move {
             if let Err(e) = result {
                 tracing::warn!(error = %e, "QueuePattern reconcile failed");

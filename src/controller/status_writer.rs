@@ -2,7 +2,7 @@
 //! operator's field manager, then an Event per condition transition. For QueuePolicies it writes
 //! only what differs from the stored status, and keeps what it wrote until the watch cache has it.
 
-use super::{Context, Error, publish_for};
+use super::{Context, Error, Shared, publish_for};
 use crate::{
     crd::{QueuePolicy, QueuePolicyStatus},
     events::{self, EventSpec},
@@ -19,7 +19,7 @@ use serde_json::json;
 /// Writes `status` of `object` and publishes `events` on it (the transitions the caller found).
 pub(super) async fn write_status<K>(
     object: &K,
-    ctx: &Context,
+    ctx: &Shared,
     status: &impl serde::Serialize,
     events: Vec<EventSpec>,
 ) -> Result<(), Error>
@@ -71,11 +71,11 @@ pub(super) async fn write_policy_status(
     }
     let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
     let transitions = events::transitions(old, &status.conditions);
-    write_status(policy, ctx, &status, vec![]).await?;
+    write_status(policy, &ctx.shared, &status, vec![]).await?;
     lock(&ctx.memos).entry(ObjectRef::from_obj(policy)).or_default().written =
         Some((policy.uid().unwrap_or_default(), status.clone()));
     for event in &transitions {
-        publish_for(policy, ctx, event).await;
+        publish_for(policy, &ctx.shared, event).await;
     }
     Ok(())
 }
