@@ -831,6 +831,8 @@ async fn deleted_behind_the_operators_back(which: fn(&queueguard::plan::QueuePla
     let gone = which(&plan_of(&p));
     let (ctx, mut api) = harness();
     let mut wakeups = ctx.take_wake_receiver().unwrap();
+    // The controller's watch hands every policy to the gate before the reconcile sees it.
+    ctx.gate.on(&kube::runtime::watcher::Event::Apply(p.clone()));
     let echo = serde_json::to_value(&p).unwrap();
     let n = name.clone();
     let server = tokio::spawn(async move {
@@ -862,9 +864,32 @@ async fn deleted_behind_the_operators_back(which: fn(&queueguard::plan::QueuePla
     let mut p2 = p.clone();
     p2.status = Some(serde_json::from_value(status).unwrap());
     let expected = format!("'{gone}'");
+    let first = p2.status.clone();
+    let echo = serde_json::to_value(&p2).unwrap();
+    let n = name.clone();
     let server = tokio::spawn(async move {
-        // The first pass's Secret read still serves (controller::secrets).
-        let event = api.expect_event("QueueRecreated", "Warning").await;
+        // The first pass's Secret read still serves (controller::secrets). Status is written
+        // again only if the queue's unacknowledged count arrived meanwhile: the management API
+        // has it for a queue once its statistics came (every 5 s), and a brand-new queue's not yet.
+        let call = api.next(Duration::from_secs(10)).await.expect("a request");
+        let event = if call.method == "PATCH" {
+            assert_eq!(call.path, format!("{POLICIES}/{n}/status"));
+            let mut status = call.body["status"].clone();
+            let unacked = status["queue"].as_object_mut().unwrap().remove("messagesUnacknowledged");
+            assert_eq!(unacked, Some(json!(0)), "{status}");
+            assert_eq!(status, serde_json::to_value(&first).unwrap(), "nothing else changed");
+            call.respond(StatusCode::OK, &echo);
+            api.expect_event("QueueRecreated", "Warning").await
+        } else {
+            assert_eq!(
+                (call.method.as_str(), call.path.as_str()),
+                ("POST", "/apis/events.k8s.io/v1/namespaces/test/events")
+            );
+            let event = call.body.clone();
+            assert_eq!((event["reason"].as_str(), event["type"].as_str()), (Some("QueueRecreated"), Some("Warning")));
+            call.respond(StatusCode::CREATED, &event);
+            event
+        };
         let note = event["note"].as_str().unwrap();
         assert!(note.contains(&expected) && note.contains("declared again"), "{note}");
     });

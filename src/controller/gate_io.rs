@@ -218,12 +218,6 @@ impl Gate {
         lock(&self.trackers).retain(|id, _| sources.contains(id));
     }
 
-    /// The policy as the reconcile sees it (the watch may not have delivered it yet).
-    pub fn upsert_policy(&self, policy: &QueuePolicy) {
-        let facts = gate::policy_facts(policy, self.limits);
-        self.update(|i| i.upsert_policy(facts));
-    }
-
     pub fn forget_policy(&self, policy: &ObjectKey) {
         self.update(|i| i.remove_policy(policy));
         self.keep_what_is_bound();

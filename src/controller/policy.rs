@@ -58,7 +58,6 @@ async fn apply(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
     let previous = last_written(ctx, policy).or_else(|| policy.status.clone());
     let previous = previous.as_ref();
     let planned = plan::plan(policy, ctx.shared.limits);
-    ctx.gate.upsert_policy(policy);
     let (mut outcome, reached, mut events) = match &planned {
         Err(errors) => (Outcome::blocked(Check::failed(Reason::InvalidSpec, plan::describe(errors))), None, vec![]),
         Ok(plan) => broker_side(policy, plan, previous, ctx).await?,
