@@ -137,6 +137,18 @@ where
     }
 }
 
+/// The API of a namespaced kind, in one namespace or in all.
+pub fn scoped<K>(client: &kube::Client, namespace: Option<&str>) -> kube::Api<K>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>,
+    <K as kube::Resource>::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => kube::Api::namespaced(client.clone(), ns),
+        None => kube::Api::all(client.clone()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,6 +11,7 @@
 
 use crate::{
     crd::{DeletionPolicy, QueuePolicy},
+    kube_api::scoped,
     names::{FINALIZER, GATE_CONDITION},
     pattern::crd::QueuePattern,
     workload::{Workload, rollout::Rollout},
@@ -181,18 +182,6 @@ pub async fn run(client: Client, options: &Options, mut say: impl FnMut(&str)) -
         return Err(UninstallError::Incomplete { failed });
     }
     Ok(plan)
-}
-
-/// The API of a namespaced kind, in one namespace or in all.
-fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
-where
-    K: Resource<Scope = kube::core::NamespaceResourceScope>,
-    <K as Resource>::DynamicType: Default,
-{
-    match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    }
 }
 
 /// Every object, a page at a time (a cluster's Deployments can be many).

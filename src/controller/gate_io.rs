@@ -24,7 +24,7 @@ use crate::{
     plan::{GatePlan, Limits},
     status::GateReport,
     sync::lock,
-    workload::{Kind, Workload, owner::replica_set_owner, rollout::Rollout},
+    workload::{Kind, Workload, WorkloadKey, owner::replica_set_owner, rollout::Rollout},
 };
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::{
@@ -327,7 +327,7 @@ macro_rules! indexed_workload {
                 index.upsert_workload(facts);
             }
             fn remove(index: &mut GateIndex, object: &Self) {
-                index.remove_workload(&Workload::new(object.clone()).key);
+                index.remove_workload(&WorkloadKey::new($k, object.namespace().unwrap_or_default(), object.name_any()));
             }
             fn replace(index: &mut GateIndex, all: Vec<Workload>, _: i64) {
                 index.replace_workloads($k, all);

@@ -114,10 +114,7 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
 }
 
 fn start_webhook(server: crate::webhook::server::Webhook, client: &Client, namespace: Option<&str>) {
-    let api: Api<QueuePolicy> = match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
+    let api: Api<QueuePolicy> = crate::kube_api::scoped(client, namespace);
     let (store, writer) = reflector::store();
     let policies = reflector::reflector(writer, watcher(api, watcher::Config::default().any_semantic()))
         .default_backoff()
@@ -172,9 +169,12 @@ impl Scope {
         <K as Resource>::DynamicType: Default,
     {
         let scope = self.clone();
-        watcher(scoped::<K>(client, self.namespace.as_deref()), watcher::Config::default().any_semantic())
-            .default_backoff()
-            .try_filter(move |e| std::future::ready(scope.keeps(e)))
+        watcher(
+            crate::kube_api::scoped::<K>(client, self.namespace.as_deref()),
+            watcher::Config::default().any_semantic(),
+        )
+        .default_backoff()
+        .try_filter(move |e| std::future::ready(scope.keeps(e)))
     }
 }
 
@@ -269,16 +269,4 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
             }
         });
     futures::join!(policies, patterns);
-}
-
-/// The API of a namespaced kind, in one namespace or in all.
-fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
-where
-    K: Resource<Scope = kube::core::NamespaceResourceScope>,
-    <K as Resource>::DynamicType: Default,
-{
-    match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    }
 }
