@@ -154,6 +154,7 @@ async fn converge_once(
         applied_bindings,
         gate: None,
         findings: None,
+        migration: None,
     })
 }
 

@@ -100,7 +100,8 @@ pub struct SecretRef {
 #[x_kube(
     validation = Rule::new("(has(self.name) ? self.name : '') == (has(oldSelf.name) ? oldSelf.name : '')").message("spec.queue.name is immutable: renaming would orphan the old queue and its messages"),
     validation = Rule::new("!(self.type == 'quorum' && has(self.overflow) && self.overflow == 'reject-publish-dlx')").message("quorum queues do not support overflow reject-publish-dlx; use reject-publish or drop-head"),
-    validation = Rule::new("!has(self.overflow) || has(self.maxLength)").message("overflow only applies together with maxLength")
+    validation = Rule::new("!has(self.overflow) || has(self.maxLength)").message("overflow only applies together with maxLength"),
+    validation = Rule::new("self.type == oldSelf.type || (has(self.onChange) && self.onChange == 'Migrate')").message("spec.queue.type can only change with onChange: Migrate: the broker cannot convert an existing queue, so queueguard moves it live")
 )]
 pub struct QueueSpec {
     /// Queue name on the broker. Default: the QueuePolicy's name. Immutable.
@@ -108,10 +109,16 @@ pub struct QueueSpec {
     #[schemars(length(min = 1, max = 255))]
     #[x_kube(validation = Rule::new("!self.startsWith('amq.')").message("queue names starting with 'amq.' are reserved by the broker"))]
     pub name: Option<String>,
-    /// Queue type. Immutable: the broker cannot convert an existing queue.
+    /// Queue type. The broker cannot convert a queue, so a change needs onChange: Migrate.
     #[serde(default, rename = "type")]
-    #[x_kube(validation = Rule::new("self == oldSelf").message("spec.queue.type is immutable: the broker cannot convert an existing queue"))]
     pub queue_type: QueueType,
+    /// What a change the broker fixes at declaration (the type, or a setting in Arguments mode)
+    /// does. Refuse (default): nothing; the type cannot be changed and a changed argument is
+    /// reported as a conflict. Migrate: the queue is moved live to its new shape (same name,
+    /// bindings and messages) through a holding queue, and the consumers are restarted through
+    /// their workload's rollout, gated as usual.
+    #[serde(default)]
+    pub on_change: OnChange,
     /// How expiry, dead-lettering, TTL and length limits reach the queue. Policy (default): an
     /// operator-owned RabbitMQ policy, so applications may keep declaring the queue plainly.
     /// Arguments: x- arguments at declaration, which every later declare must repeat exactly.
@@ -177,6 +184,14 @@ impl QueueType {
     pub fn as_str(self) -> &'static str {
         self.into()
     }
+}
+
+/// What a change to a queue's fixed shape (type or declared arguments) does.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum OnChange {
+    #[default]
+    Refuse,
+    Migrate,
 }
 
 /// How queue settings reach the broker.
@@ -496,6 +511,94 @@ pub struct QueuePolicyStatus {
     /// the broker: (processing + round trip) / processing per consumer thread.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<PrefetchObservation>,
+    /// The last live migration of the queue to a new shape (onChange: Migrate), recorded before
+    /// each of its steps so a restarted operator resumes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<MigrationStatus>,
+}
+
+/// A live migration of a queue to a new type or declared arguments.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationStatus {
+    /// The step under way (recorded before it is taken), or Completed or Refused.
+    pub phase: MigrationPhase,
+    /// The queue being migrated (the queue, or its dead-letter queue).
+    pub queue: String,
+    /// Type and arguments the queue had, as `type {x-arg: value, ...}`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub from: String,
+    /// Type and arguments it gets.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub to: String,
+    /// The queue that holds its messages and routes meanwhile.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub holding_queue: String,
+    /// Messages moved from the queue to the holding queue (with publisher confirms).
+    #[serde(default)]
+    pub moved_out: i64,
+    /// Messages moved from the holding queue into the new queue.
+    #[serde(default)]
+    pub moved_back: i64,
+    /// Milliseconds the queue's name had no queue (delete to declare-ok): the only time a
+    /// publish to the default exchange could be unroutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap_window_millis: Option<i64>,
+    /// Messages the broker reported deleted with the old queue (0 unless a publish to the
+    /// default exchange raced the swap of a quorum queue, which cannot be deleted if-empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped_at_swap: Option<i64>,
+    /// Whether the consumers were restarted through their workload's rollout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumers_restarted: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+    /// What happened, or why it cannot proceed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+/// Steps of a migration, in order.
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Default,
+    JsonSchema,
+    strum::IntoStaticStr,
+    strum::VariantArray,
+)]
+pub enum MigrationPhase {
+    /// Declaring the holding queue and moving the queue's exchange bindings to it.
+    #[default]
+    Preparing,
+    /// Moving the queue's messages into the holding queue.
+    Draining,
+    /// Deleting the empty queue and declaring it again with its new shape.
+    Swapping,
+    /// Binding the new queue as the old one was, and unbinding the holding queue.
+    Restoring,
+    /// Moving the held messages into the new queue, then deleting the holding queue.
+    Refilling,
+    /// Restarting the consumers through their workload's rollout.
+    RestartingConsumers,
+    Completed,
+    /// It cannot proceed; nothing was touched.
+    Refused,
+}
+
+impl MigrationPhase {
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
 }
 
 /// The prefetch suggestion and what it was computed from.

@@ -29,6 +29,7 @@ pub mod kube_api;
 pub mod leader;
 pub mod local;
 pub mod metrics;
+pub mod migrate;
 pub mod names;
 pub mod overview;
 pub mod pass;

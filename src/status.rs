@@ -3,7 +3,7 @@
 
 use crate::crd::{
     Binding, ConsumersObservation, DeadLetterObservation, DisruptionBudgetObservation, Finding, PrefetchObservation,
-    QueueObservation, QueuePolicyStatus, RolloutObservation,
+    MigrationPhase, MigrationStatus, QueueObservation, QueuePolicyStatus, RolloutObservation,
 };
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
@@ -25,6 +25,8 @@ pub enum ConditionType {
     ConsumersAttached,
     /// Rollouts of the consumer Deployment are gated: safe strategy, readiness gates in place.
     RolloutSafe,
+    /// A live migration of the queue to a new shape is under way (onChange: Migrate).
+    Migrating,
 }
 
 impl ConditionType {
@@ -67,6 +69,10 @@ pub enum Reason {
     UnsafeRolloutStrategy,
     GateNotInstalled,
     WorkloadNotFound,
+    Migrating,
+    MigrationCompleted,
+    MigrationRefused,
+    MigrationFailed,
 }
 
 impl Reason {
@@ -142,6 +148,8 @@ pub struct Outcome {
     pub gate: Option<GateReport>,
     /// Consumer hygiene; None keeps the previous findings (not looked at this pass).
     pub findings: Option<crate::findings::Report>,
+    /// A live migration's state; None keeps the previous one.
+    pub migration: Option<MigrationStatus>,
 }
 
 /// What the rollout gate reports into status.
@@ -167,6 +175,7 @@ impl Outcome {
             applied_bindings: None,
             gate: None,
             findings: None,
+            migration: None,
         }
     }
 
@@ -227,6 +236,10 @@ pub fn next_status(
         .map(|(kind, check)| condition(&old.conditions, kind, &check, generation, now))
         .collect();
     conditions.extend(finding_conditions(&old.conditions, outcome.findings.as_ref(), generation, now));
+    let migration = outcome.migration.clone().or(old.migration);
+    if let Some(m) = &migration {
+        conditions.push(condition(&old.conditions, ConditionType::Migrating, &migrating(m), generation, now));
+    }
     QueuePolicyStatus {
         observed_generation: generation,
         conditions,
@@ -249,6 +262,16 @@ pub fn next_status(
                 .or(old.prefetch),
             None => old.prefetch,
         },
+        migration,
+    }
+}
+
+/// The Migrating condition: True while a migration is under way, False once it ended.
+pub fn migrating(m: &MigrationStatus) -> Check {
+    match m.phase {
+        MigrationPhase::Completed => Check::failed(Reason::MigrationCompleted, m.message.clone()),
+        MigrationPhase::Refused => Check::failed(Reason::MigrationRefused, m.message.clone()),
+        phase => Check::ok(Reason::Migrating, format!("{}: {}", phase.as_str(), m.message)),
     }
 }
 
@@ -342,6 +365,7 @@ mod tests {
             applied_bindings: Some(vec![]),
             gate: None,
             findings: None,
+            migration: None,
         }
     }
 

@@ -105,6 +105,24 @@ pub struct PolicyInfo {
     pub definition: Map<String, Value>,
 }
 
+/// A binding as the management API lists it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct BindingInfo {
+    /// The exchange; empty for the default exchange's implicit binding.
+    pub source: String,
+    #[serde(default)]
+    pub routing_key: String,
+    #[serde(default)]
+    pub arguments: Map<String, Value>,
+}
+
+/// A feature flag and whether it is enabled (`enabled`, `disabled`, `unavailable`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct FeatureFlag {
+    pub name: String,
+    pub state: String,
+}
+
 /// A client connection as the management API reports it.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 pub struct ConnectionInfo {
@@ -326,6 +344,16 @@ impl ManagementClient {
     pub async fn queue_names(&self, vhost: &str) -> Result<Vec<String>, ManagementError> {
         let rows: Vec<Value> = self.get_query(&["queues", vhost], "columns=name").await?.unwrap_or_default();
         Ok(rows.iter().filter_map(|r| r.get("name")?.as_str().map(str::to_owned)).collect())
+    }
+
+    /// The bindings whose destination is this queue, the default exchange's among them.
+    pub async fn queue_bindings(&self, vhost: &str, queue: &str) -> Result<Vec<BindingInfo>, ManagementError> {
+        Ok(self.get_opt(&["queues", vhost, queue, "bindings"]).await?.unwrap_or_default())
+    }
+
+    /// The cluster's feature flags; None where the API has no such listing.
+    pub async fn feature_flags(&self) -> Result<Option<Vec<FeatureFlag>>, ManagementError> {
+        self.get_opt(&["feature-flags"]).await
     }
 
     /// The cluster's nodes: whether each runs, and its plugins.

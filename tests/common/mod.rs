@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod gate;
+pub mod traffic;
 
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties,

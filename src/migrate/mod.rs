@@ -1,0 +1,288 @@
+//! A live change of a queue's fixed shape (its type, or the arguments it was declared with),
+//! which RabbitMQ cannot make in place. The queue's exchange routes move to a holding queue, its
+//! messages follow, the queue is deleted and declared again with its new shape, and routes and
+//! messages move back.
+//!
+//! The broker is the journal. At every moment the queue's bindings together with the holding
+//! queue's are the original bindings, and which of the two queues exists, with which shape, says
+//! where a migration stopped ([`resume_at`]). `status.migration` records each step before it is
+//! taken, for people and for the counts.
+
+pub mod mover;
+pub mod run;
+
+use crate::{
+    broker::{
+        amqp::AmqpError,
+        management::{FeatureFlag, ManagementError, QueueInfo},
+    },
+    crd::{MigrationPhase, QueueType},
+    plan::QueuePlan,
+    settings::{self, ArgValue},
+};
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+
+/// AMQP short strings, which carry queue names, hold at most 255 bytes.
+const MAX_NAME_BYTES: usize = 255;
+const HOLDING_SUFFIX: &str = ".queueguard-migrating";
+
+/// Arguments only classic queues take; quorum queues refuse or ignore them.
+const CLASSIC_ONLY: [&str; 4] = ["x-max-priority", "x-queue-mode", "x-queue-version", "x-queue-master-locator"];
+/// Arguments only quorum queues take.
+const QUORUM_ONLY: [&str; 6] = [
+    "x-delivery-limit",
+    "x-quorum-initial-group-size",
+    "x-max-in-memory-length",
+    "x-max-in-memory-bytes",
+    "x-dead-letter-strategy",
+    "x-queue-leader-locator",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    #[error(transparent)]
+    Management(#[from] ManagementError),
+    /// It cannot go ahead; nothing was touched.
+    #[error("{0}")]
+    Refused(String),
+    /// A step failed midway; the next attempt resumes from the broker's state.
+    #[error("{0}")]
+    Failed(String),
+    /// The journal could not record the next step, so it was not taken.
+    #[error("could not record the migration before {phase}: {detail}")]
+    NotRecorded { phase: &'static str, detail: String },
+}
+
+/// A queue's fixed shape, as the management API lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shape {
+    pub queue_type: String,
+    pub durable: bool,
+    pub auto_delete: bool,
+    pub exclusive: bool,
+    /// Declared arguments, without x-queue-type (which `queue_type` says).
+    pub arguments: Map<String, Value>,
+}
+
+impl Shape {
+    pub fn of(info: &QueueInfo) -> Self {
+        let mut arguments = info.arguments.clone();
+        let declared = arguments.remove("x-queue-type").and_then(|t| t.as_str().map(str::to_owned));
+        Self {
+            queue_type: info.queue_type.clone().or(declared).unwrap_or_else(|| "classic".into()),
+            durable: info.durable,
+            auto_delete: info.auto_delete,
+            exclusive: info.exclusive,
+            arguments,
+        }
+    }
+
+    /// `classic {x-max-length: 10}`, as status and the plan print it.
+    pub fn describe(&self) -> String {
+        let mut text = self.queue_type.clone();
+        if !self.durable {
+            text.push_str(" transient");
+        }
+        if self.auto_delete {
+            text.push_str(" auto-delete");
+        }
+        if !self.arguments.is_empty() {
+            let args: Vec<String> = self.arguments.iter().map(|(k, v)| format!("{k}: {}", shown(v))).collect();
+            text.push_str(&format!(" {{{}}}", args.join(", ")));
+        }
+        text
+    }
+}
+
+fn shown(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// What the queue becomes: durable, never auto-delete, with these type and arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Target {
+    pub queue: String,
+    pub queue_type: QueueType,
+    /// Declared arguments, without x-queue-type.
+    pub arguments: Map<String, Value>,
+}
+
+impl Target {
+    /// The queue as a QueuePolicy declares it.
+    pub fn of_queue(plan: &QueuePlan) -> Self {
+        Self::from_args(&plan.queue, plan.queue_type, &settings::queue_arguments(plan))
+    }
+
+    /// The dead-letter queue as a QueuePolicy declares it.
+    pub fn of_dead_letter_queue(plan: &QueuePlan) -> Self {
+        Self::from_args(&plan.dead_letter_queue, plan.queue_type, &settings::dead_letter_queue_arguments(plan))
+    }
+
+    fn from_args(queue: &str, queue_type: QueueType, args: &BTreeMap<&'static str, ArgValue>) -> Self {
+        let arguments = args
+            .iter()
+            .filter(|(k, _)| **k != "x-queue-type")
+            .map(|(k, v)| {
+                let value = match v {
+                    ArgValue::Long(n) => json!(n),
+                    ArgValue::Str(s) => json!(s),
+                };
+                ((*k).to_owned(), value)
+            })
+            .collect();
+        Self { queue: queue.to_owned(), queue_type, arguments }
+    }
+
+    /// The queue's own arguments carried to another type (`queueguard migrate --to`), without
+    /// those the new type does not take; returns the ones left behind, for the plan to say.
+    pub fn converted(queue: &str, current: &Shape, to: QueueType) -> (Self, Vec<String>) {
+        let foreign: &[&str] = match to {
+            QueueType::Quorum => &CLASSIC_ONLY,
+            QueueType::Classic => &QUORUM_ONLY,
+        };
+        let mut arguments = current.arguments.clone();
+        // Left in, so that the refusal names it: a priority queue cannot become a quorum queue.
+        let keep = |k: &str| k == "x-max-priority";
+        let dropped: Vec<String> =
+            arguments.keys().filter(|k| foreign.contains(&k.as_str()) && !keep(k)).cloned().collect();
+        arguments.retain(|k, _| !dropped.contains(k));
+        (Self { queue: queue.to_owned(), queue_type: to, arguments }, dropped)
+    }
+
+    pub fn shape(&self) -> Shape {
+        Shape {
+            queue_type: self.queue_type.as_str().to_owned(),
+            durable: true,
+            auto_delete: false,
+            exclusive: false,
+            arguments: self.arguments.clone(),
+        }
+    }
+
+    /// Every argument of the declare, x-queue-type among them.
+    pub fn declare_arguments(&self) -> Map<String, Value> {
+        let mut args = self.arguments.clone();
+        args.insert("x-queue-type".into(), json!(self.queue_type.as_str()));
+        args
+    }
+}
+
+/// How a queue's shape differs from the target's, one `what: now → then` each; empty when the
+/// queue already has its target shape.
+pub fn differences(current: &Shape, target: &Target) -> Vec<String> {
+    let want = target.shape();
+    let mut diffs = Vec::new();
+    if current.queue_type != want.queue_type {
+        diffs.push(format!("type: {} → {}", current.queue_type, want.queue_type));
+    }
+    if current.durable != want.durable || current.auto_delete != want.auto_delete {
+        diffs.push(format!(
+            "durable/auto-delete: {}/{} → true/false",
+            current.durable, current.auto_delete
+        ));
+    }
+    let mut keys: Vec<&String> = current.arguments.keys().chain(want.arguments.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    for key in keys {
+        let (now, then) = (current.arguments.get(key), want.arguments.get(key));
+        if now != then {
+            let side = |v: Option<&Value>| v.map(shown).unwrap_or_else(|| "unset".into());
+            diffs.push(format!("{key}: {} → {}", side(now), side(then)));
+        }
+    }
+    diffs
+}
+
+/// The holding queue of a migration of `queue`.
+pub fn holding_name(queue: &str) -> String {
+    format!("{queue}{HOLDING_SUFFIX}")
+}
+
+/// Why a migration from `current` to `target` cannot go ahead, found before anything is
+/// touched. `flags` are the broker's feature flags (None where it does not list them).
+pub fn refusal(current: &Shape, target: &Target, flags: Option<&[FeatureFlag]>) -> Option<String> {
+    let queue = &target.queue;
+    if current.exclusive {
+        return Some(format!(
+            "queue '{queue}' is exclusive: it belongs to the connection that declared it and goes with it"
+        ));
+    }
+    if !matches!(current.queue_type.as_str(), "classic" | "quorum") {
+        return Some(format!(
+            "queue '{queue}' is a {} queue; queueguard migrates classic and quorum queues only",
+            current.queue_type
+        ));
+    }
+    let quorum = target.queue_type == QueueType::Quorum;
+    let priority = |s: &Map<String, Value>| s.get("x-max-priority").cloned();
+    if let Some(levels) = priority(&current.arguments)
+        && (quorum || priority(&target.arguments) != Some(levels.clone()))
+    {
+        let why = if quorum {
+            "quorum queues have no priorities (the broker refuses x-max-priority on them)"
+        } else {
+            "the new shape has no x-max-priority"
+        };
+        return Some(format!(
+            "queue '{queue}' is a priority queue (x-max-priority {levels}) and {why}: its messages would lose their priority order. Keep it classic, or move its consumers to a new queue"
+        ));
+    }
+    if quorum && target.arguments.get("x-overflow") == Some(&json!("reject-publish-dlx")) {
+        return Some(format!(
+            "quorum queues do not support x-overflow reject-publish-dlx (queue '{queue}'); use reject-publish or drop-head"
+        ));
+    }
+    if quorum && let Some(flags) = flags {
+        let enabled = flags.iter().any(|f| f.name == "quorum_queue" && f.state == "enabled");
+        if !enabled {
+            return Some(
+                "the broker's feature flag quorum_queue is not enabled, so it cannot declare quorum queues: run `rabbitmqctl enable_feature_flag quorum_queue`".into(),
+            );
+        }
+    }
+    if holding_name(queue).len() > MAX_NAME_BYTES {
+        return Some(format!(
+            "queue '{queue}' is too long a name for its holding queue ('{queue}{HOLDING_SUFFIX}' would pass the broker's 255 bytes)"
+        ));
+    }
+    None
+}
+
+/// Where a migration stands, read from the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// The queue has its target shape and no holding queue is left (or there is no queue at
+    /// all, which a plain declare creates): nothing to move.
+    NotNeeded,
+    /// The queue has another shape and nothing has been moved yet.
+    Start,
+    /// A migration stopped before this step; resume there.
+    At(MigrationPhase),
+}
+
+/// The step to take next, from the queue's shape (None: no queue by that name) and whether
+/// the holding queue exists. Every step is safe to take again, so the earliest step that may
+/// not have finished is the one to resume at.
+pub fn resume_at(queue: Option<&Shape>, holding: bool, target: &Target) -> Resume {
+    let reshaped = |q: &Shape| differences(q, target).is_empty();
+    match (queue, holding) {
+        (None, false) => Resume::NotNeeded,
+        (Some(q), false) if reshaped(q) => Resume::NotNeeded,
+        (Some(_), false) => Resume::Start,
+        // Routes may be half moved: moving them again is harmless, and the messages follow.
+        (Some(q), true) if !reshaped(q) => Resume::At(MigrationPhase::Preparing),
+        (None, true) => Resume::At(MigrationPhase::Swapping),
+        // Also the way back when the spec returned to the old shape midway.
+        (Some(_), true) => Resume::At(MigrationPhase::Restoring),
+    }
+}
+
+#[cfg(test)]
+mod tests;

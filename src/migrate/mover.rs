@@ -1,0 +1,159 @@
+//! Moves a queue's messages into another queue: each is published (through the default
+//! exchange, with publisher confirms and `mandatory`) and acknowledged on its old queue only
+//! once the broker confirmed the copy. A move cut short leaves the unconfirmed ones in their old
+//! queue (the broker requeues a closed channel's unacknowledged deliveries): moved again later,
+//! never lost; a copy confirmed but not yet acknowledged is moved twice (at-least-once).
+
+use super::Error;
+use crate::broker::{Broker, amqp::AmqpError};
+use futures::StreamExt;
+use lapin::{
+    Channel,
+    options::{
+        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+        QueueDeclareOptions,
+    },
+    Confirmation, PublisherConfirm,
+    types::FieldTable,
+};
+use std::{
+    collections::VecDeque,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+/// Deliveries in flight from the old queue: enough to keep the broker's confirms streaming.
+const PREFETCH: u16 = 2000;
+/// Confirms awaited, and acknowledgements sent, in batches of this many.
+const BATCH: usize = 500;
+/// A pause this long in deliveries makes the mover ask whether the queue is empty.
+const IDLE: Duration = Duration::from_millis(100);
+
+/// Moves every message of `from` into `to` until `from` holds no ready message and nothing is
+/// in flight; counts each confirmed copy in `moved` as it goes (for status and metrics) and
+/// returns how many it moved. Consumers of `from` keep consuming meanwhile: what they take is
+/// theirs.
+pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> Result<u64, Error> {
+    let amqp = &broker.amqp;
+    let (consume, generation) = amqp.dedicated_channel().await?;
+    let (publish, _) = amqp.dedicated_channel().await?;
+    let result = async {
+        amqp.run_on(generation, publish.confirm_select(ConfirmSelectOptions::default())).await?;
+        amqp.run_on(generation, consume.basic_qos(PREFETCH, BasicQosOptions::default())).await?;
+        let mut deliveries = amqp
+            .run_on(
+                generation,
+                consume.basic_consume(
+                    from.into(),
+                    "queueguard-migrate".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                ),
+            )
+            .await?;
+        let mut pending: VecDeque<(u64, PublisherConfirm)> = VecDeque::new();
+        let mut count = 0u64;
+        loop {
+            match tokio::time::timeout(IDLE, deliveries.next()).await {
+                Ok(Some(Ok(delivery))) => {
+                    let confirm = publish
+                        .basic_publish(
+                            "".into(),
+                            to.into(),
+                            BasicPublishOptions { mandatory: true, ..Default::default() },
+                            &delivery.data,
+                            delivery.properties.clone(),
+                        )
+                        .await
+                        .map_err(|e| amqp.classify(e))?;
+                    pending.push_back((delivery.delivery_tag, confirm));
+                    if pending.len() >= BATCH {
+                        count += settle(&consume, &mut pending, to, moved).await?;
+                    }
+                }
+                Ok(Some(Err(e))) => return Err(amqp.classify(e).into()),
+                // The broker cancelled the consumer: the queue is gone.
+                Ok(None) => {
+                    count += settle(&consume, &mut pending, to, moved).await?;
+                    return Ok(count);
+                }
+                Err(_idle) => {
+                    count += settle(&consume, &mut pending, to, moved).await?;
+                    if ready(&publish, from).await? == 0 {
+                        return Ok(count);
+                    }
+                }
+            }
+        }
+    }
+    .await;
+    // Unacknowledged deliveries go back to `from` with the channel.
+    for ch in [consume, publish] {
+        let _ = tokio::time::timeout(Duration::from_secs(5), ch.close(200, "moved".into())).await;
+    }
+    result
+}
+
+/// Awaits the confirms in flight, oldest first, and acknowledges what they cover at once (also
+/// when a later one failed, so those are not moved twice).
+async fn settle(
+    consume: &Channel,
+    pending: &mut VecDeque<(u64, PublisherConfirm)>,
+    to: &str,
+    moved: &AtomicU64,
+) -> Result<u64, Error> {
+    let mut last = None;
+    let mut count = 0u64;
+    let mut failure = None;
+    while let Some((tag, confirm)) = pending.pop_front() {
+        match confirmed(confirm, to).await {
+            Ok(()) => {
+                last = Some(tag);
+                count += 1;
+            }
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    if let Some(tag) = last {
+        consume
+            .basic_ack(tag, BasicAckOptions { multiple: true })
+            .await
+            .map_err(|e| Error::Failed(format!("acknowledging moved messages: {e}")))?;
+        moved.fetch_add(count, Ordering::Relaxed);
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(count),
+    }
+}
+
+async fn confirmed(confirm: PublisherConfirm, to: &str) -> Result<(), Error> {
+    let confirmation =
+        tokio::time::timeout(Duration::from_secs(30), confirm).await.map_err(|_| lost("no publisher confirm"))?;
+    match confirmation.map_err(|e| Error::Failed(format!("publishing into '{to}': {e}")))? {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(Error::Failed(format!(
+            "the broker returned a message as unroutable: queue '{to}' is missing; the message stays where it was"
+        ))),
+        Confirmation::Nack(_) => Err(Error::Failed(format!(
+            "the broker refused a copy into '{to}' (publisher nack); the message stays where it was"
+        ))),
+    }
+}
+
+fn lost(detail: &str) -> Error {
+    Error::Amqp(AmqpError::Lost { endpoint: "broker".into(), detail: detail.into() })
+}
+
+/// Ready messages in a queue, by passive declare (immediate, unlike management statistics).
+pub async fn ready(ch: &Channel, queue: &str) -> Result<u32, Error> {
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    let q = tokio::time::timeout(Duration::from_secs(30), ch.queue_declare(queue.into(), passive, FieldTable::default()))
+        .await
+        .map_err(|_| lost("no answer to a passive declare"))?
+        .map_err(|e| Error::Failed(format!("reading queue '{queue}': {e}")))?;
+    Ok(q.message_count())
+}

@@ -1,0 +1,331 @@
+//! Carries out a migration on the broker, step by step, each recorded before it is taken.
+
+use super::{Error, Resume, Shape, Target, holding_name, mover, refusal, resume_at};
+use crate::{
+    broker::{
+        Broker,
+        amqp::{AmqpError, OPERATION_TIMEOUT},
+        refusal::{NOT_FOUND, PRECONDITION_FAILED},
+    },
+    crd::{MigrationPhase, MigrationStatus, QueueType},
+};
+use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+use lapin::{
+    options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions},
+    types::{AMQPValue, FieldArray, FieldTable},
+};
+use serde_json::{Map, Value};
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::Instant,
+};
+
+/// Attempts at deleting the emptied queue before giving up for this pass: each failed one
+/// (messages published to it meanwhile through the default exchange) drains it again.
+const SWAP_ATTEMPTS: usize = 20;
+
+/// Where a migration's progress is recorded before each step: status.migration in the
+/// cluster, the terminal in local mode. An error stops the migration before that step.
+pub trait Journal {
+    fn record(&mut self, state: &MigrationStatus) -> impl Future<Output = Result<(), String>> + Send;
+}
+
+/// How a pass over a migration ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ended {
+    /// Nothing to migrate: the queue has its target shape (or does not exist yet).
+    NotNeeded,
+    /// The queue has its new shape, its routes and its messages; the state is not recorded yet
+    /// (its phase is RestartingConsumers: the caller restarts them, or says they must be).
+    Moved(MigrationStatus),
+}
+
+/// A whole migration of `target.queue` on `broker` (in the broker's vhost), resumed where the
+/// broker's state says it stopped. `previous` is the last recorded state (its counts and start
+/// carry on).
+pub async fn migrate<J: Journal>(
+    broker: &Broker,
+    target: &Target,
+    previous: Option<&MigrationStatus>,
+    journal: &mut J,
+) -> Result<Ended, Error> {
+    let vhost = broker.vhost().to_owned();
+    let holding = holding_name(&target.queue);
+    let current = broker.management.queue(&vhost, &target.queue).await?.map(|q| Shape::of(&q));
+    let held = broker.management.queue(&vhost, &holding).await?.is_some();
+    let in_progress = previous.filter(|p| p.queue == target.queue && p.phase < MigrationPhase::RestartingConsumers);
+    let mut state = in_progress.cloned().unwrap_or_default();
+    let first = match resume_at(current.as_ref(), held, target) {
+        Resume::NotNeeded => return Ok(Ended::NotNeeded),
+        Resume::Start => {
+            let current = current.as_ref().expect("Start means the queue exists");
+            let flags = match target.queue_type {
+                QueueType::Quorum => broker.management.feature_flags().await?,
+                QueueType::Classic => None,
+            };
+            if let Some(why) = refusal(current, target, flags.as_deref()) {
+                return Err(Error::Refused(why));
+            }
+            state = MigrationStatus {
+                queue: target.queue.clone(),
+                from: current.describe(),
+                started_at: Some(Time(Timestamp::now())),
+                ..Default::default()
+            };
+            MigrationPhase::Preparing
+        }
+        Resume::At(phase) => phase,
+    };
+    state.queue = target.queue.clone();
+    state.to = target.shape().describe();
+    state.holding_queue = holding.clone();
+    state.started_at = state.started_at.or_else(|| Some(Time(Timestamp::now())));
+    if state.from.is_empty() {
+        state.from = current.as_ref().map(Shape::describe).unwrap_or_default();
+    }
+
+    let mut step = Step { broker, target, holding: &holding, vhost: &vhost, state, journal };
+    for phase in [
+        MigrationPhase::Preparing,
+        MigrationPhase::Draining,
+        MigrationPhase::Swapping,
+        MigrationPhase::Restoring,
+        MigrationPhase::Refilling,
+    ] {
+        if phase >= first {
+            step.take(phase).await?;
+        }
+    }
+    let mut state = step.state;
+    state.phase = MigrationPhase::RestartingConsumers;
+    state.message = format!("queue '{}' is now {}", target.queue, state.to);
+    Ok(Ended::Moved(state))
+}
+
+struct Step<'a, J> {
+    broker: &'a Broker,
+    target: &'a Target,
+    holding: &'a str,
+    vhost: &'a str,
+    state: MigrationStatus,
+    journal: &'a mut J,
+}
+
+impl<J: Journal> Step<'_, J> {
+    async fn take(&mut self, phase: MigrationPhase) -> Result<(), Error> {
+        self.state.phase = phase;
+        self.state.message = describe(phase, &self.target.queue, self.holding);
+        self.journal
+            .record(&self.state)
+            .await
+            .map_err(|detail| Error::NotRecorded { phase: phase.as_str(), detail })?;
+        let (queue, holding) = (self.target.queue.as_str(), self.holding);
+        match phase {
+            MigrationPhase::Preparing => {
+                declare(self.broker, holding, &holding_arguments(self.target)).await?;
+                self.reroute(queue, holding).await
+            }
+            MigrationPhase::Draining => {
+                self.state.moved_out += self.drain(queue, holding).await?;
+                Ok(())
+            }
+            MigrationPhase::Swapping => self.swap().await,
+            MigrationPhase::Restoring => self.reroute(holding, queue).await,
+            MigrationPhase::Refilling => {
+                self.state.moved_back += self.drain(holding, queue).await?;
+                delete_emptied(self.broker, holding).await.map(drop)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    async fn drain(&self, from: &str, to: &str) -> Result<i64, Error> {
+        let moved = AtomicU64::new(0);
+        let result = mover::drain(self.broker, from, to, &moved).await;
+        if result.is_err() {
+            tracing::info!(%from, %to, moved = moved.load(Ordering::Relaxed), "move cut short; resumes next pass");
+        }
+        result.map(|n| n as i64)
+    }
+
+    /// Binds `to` wherever either queue is bound from an exchange, then unbinds `from`: a
+    /// message routed meanwhile reaches one of them, or both (a duplicate, never a loss).
+    async fn reroute(&self, from: &str, to: &str) -> Result<(), Error> {
+        let management = &self.broker.management;
+        let mut routes = management.queue_bindings(self.vhost, from).await?;
+        routes.extend(management.queue_bindings(self.vhost, to).await?);
+        routes.retain(|b| !b.source.is_empty());
+        let ch = self.broker.amqp.channel().await?;
+        for b in &routes {
+            ch.run(ch.queue_bind(
+                to.into(),
+                b.source.as_str().into(),
+                b.routing_key.as_str().into(),
+                QueueBindOptions::default(),
+                field_table(&b.arguments),
+            ))
+            .await?;
+        }
+        for b in &routes {
+            match ch
+                .run(ch.queue_unbind(
+                    from.into(),
+                    b.source.as_str().into(),
+                    b.routing_key.as_str().into(),
+                    field_table(&b.arguments),
+                ))
+                .await
+            {
+                Ok(()) => {}
+                // The queue is gone, and its bindings with it.
+                Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes the emptied queue and declares it again with its new shape, back to back on one
+    /// channel. A publish through the default exchange in between is unroutable: the window is
+    /// measured. Messages that reached the old queue since it was drained are drained again.
+    async fn swap(&mut self) -> Result<(), Error> {
+        let queue = self.target.queue.as_str();
+        let arguments = field_table(&self.target.declare_arguments());
+        for _ in 0..SWAP_ATTEMPTS {
+            let ch = self.broker.amqp.channel().await?;
+            let ready = match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
+                Ok(q) => Some(q.message_count()),
+                Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => None,
+                Err(e) => return Err(e.into()),
+            };
+            let classic = ready.is_none() || self.current_is_classic().await?;
+            if !classic && ready > Some(0) {
+                self.state.moved_out += self.drain(queue, self.holding).await?;
+                continue;
+            }
+            // A refused passive declare closed its channel.
+            let ch = if ready.is_some() { ch } else { self.broker.amqp.channel().await? };
+            let started = Instant::now();
+            let delete = async {
+                if ready.is_none() {
+                    return Ok(0);
+                }
+                // Quorum queues refuse if-empty (with a connection-level error): their emptiness
+                // was read just before, and what the delete reports is counted.
+                let options = QueueDeleteOptions { if_empty: classic, ..Default::default() };
+                ch.queue_delete(queue.into(), options).await
+            };
+            let declare = ch.queue_declare(queue.into(), durable(), arguments.clone());
+            let both = tokio::time::timeout(OPERATION_TIMEOUT, async { futures::join!(delete, declare) });
+            let Ok((deleted, declared)) = both.await else {
+                return Err(Error::Failed(format!("no answer from the broker while swapping queue '{queue}'")));
+            };
+            let window = started.elapsed();
+            match (deleted, declared) {
+                (Ok(dropped), Ok(_)) => {
+                    self.state.swap_window_millis = Some(window.as_millis() as i64);
+                    self.state.dropped_at_swap = Some(i64::from(dropped));
+                    if dropped > 0 {
+                        tracing::warn!(%queue, dropped, "messages raced the swap of a quorum queue and were deleted with it");
+                    }
+                    return Ok(());
+                }
+                (Err(e), _) | (_, Err(e)) => match self.broker.amqp.classify(e) {
+                    // Not empty (messages arrived through the default exchange), or declared again
+                    // with its old shape by an application in between: drain it and try again.
+                    AmqpError::Refused(r) if r.code == PRECONDITION_FAILED => {
+                        tracing::info!(%queue, reason = %r, "queue not empty at the swap; draining it again");
+                        self.state.moved_out += self.drain(queue, self.holding).await?;
+                    }
+                    other => return Err(other.into()),
+                },
+            }
+        }
+        Err(Error::Failed(format!(
+            "queue '{queue}' kept receiving messages through the default exchange: it was not empty at {SWAP_ATTEMPTS} attempts to swap it; the next pass tries again"
+        )))
+    }
+
+    async fn current_is_classic(&self) -> Result<bool, Error> {
+        let info = self.broker.management.queue(self.vhost, &self.target.queue).await?;
+        Ok(info.is_none_or(|q| Shape::of(&q).queue_type == "classic"))
+    }
+}
+
+/// Deletes a queue nothing routes to any more, once it is empty; a missing one is deleted.
+async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
+    let ch = broker.amqp.channel().await?;
+    let ready = match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
+        Ok(q) => q.message_count(),
+        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => return Ok(0),
+        Err(e) => return Err(e.into()),
+    };
+    if ready > 0 {
+        return Err(Error::Failed(format!("holding queue '{queue}' still holds {ready} messages; moving them next pass")));
+    }
+    let classic = broker
+        .management
+        .queue(broker.vhost(), queue)
+        .await?
+        .is_none_or(|q| Shape::of(&q).queue_type == "classic");
+    let options = QueueDeleteOptions { if_empty: classic, ..Default::default() };
+    match ch.run(ch.queue_delete(queue.into(), options)).await {
+        Ok(n) => Ok(n),
+        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn declare(broker: &Broker, queue: &str, arguments: &Map<String, Value>) -> Result<(), Error> {
+    let ch = broker.amqp.channel().await?;
+    ch.run(ch.queue_declare(queue.into(), durable(), field_table(arguments))).await?;
+    Ok(())
+}
+
+/// The holding queue: durable, of the target type (replicated when the target is quorum), with
+/// no limits, so nothing moved into it is dropped or dead-lettered.
+fn holding_arguments(target: &Target) -> Map<String, Value> {
+    Map::from_iter([("x-queue-type".to_owned(), Value::from(target.queue_type.as_str()))])
+}
+
+fn describe(phase: MigrationPhase, queue: &str, holding: &str) -> String {
+    match phase {
+        MigrationPhase::Preparing => format!("declaring holding queue '{holding}' and moving the exchange routes of '{queue}' to it"),
+        MigrationPhase::Draining => format!("moving the messages of '{queue}' into '{holding}'"),
+        MigrationPhase::Swapping => format!("deleting the emptied '{queue}' and declaring it with its new shape"),
+        MigrationPhase::Restoring => format!("moving the exchange routes back from '{holding}' to '{queue}'"),
+        MigrationPhase::Refilling => format!("moving the held messages back into '{queue}' and deleting '{holding}'"),
+        other => other.as_str().to_owned(),
+    }
+}
+
+fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions { durable: true, ..Default::default() }
+}
+
+fn passive() -> QueueDeclareOptions {
+    QueueDeclareOptions { passive: true, ..Default::default() }
+}
+
+/// JSON arguments (as the management API lists them) as an AMQP table.
+pub fn field_table(map: &Map<String, Value>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (k, v) in map {
+        table.insert(k.as_str().into(), amqp_value(v));
+    }
+    table
+}
+
+fn amqp_value(v: &Value) -> AMQPValue {
+    match v {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AMQPValue::LongLongInt(i),
+            None => AMQPValue::Double(n.as_f64().unwrap_or_default()),
+        },
+        Value::String(s) => AMQPValue::LongString(s.as_str().into()),
+        Value::Array(items) => AMQPValue::FieldArray(FieldArray::from(items.iter().map(amqp_value).collect::<Vec<_>>())),
+        Value::Object(map) => AMQPValue::FieldTable(field_table(map)),
+    }
+}

@@ -1,0 +1,197 @@
+//! Live traffic on a queue for the migration tests: publishers with confirms and `mandatory`
+//! that retry what comes back, and consumers that consume again when the broker cancels them,
+//! every message counted by its id.
+
+use futures::StreamExt;
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
+    options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions},
+    types::FieldTable,
+};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+/// Where a publisher sends: an exchange and routing key ("" and the queue for the default one).
+#[derive(Clone)]
+pub struct Route {
+    pub exchange: String,
+    pub routing_key: String,
+    /// Prefix of the message ids it publishes.
+    pub tag: &'static str,
+}
+
+#[derive(Default)]
+struct Counts {
+    published: Mutex<HashSet<String>>,
+    consumed: Mutex<HashMap<String, u32>>,
+    returned: AtomicU64,
+}
+
+pub struct Traffic {
+    counts: Arc<Counts>,
+    publishing: Arc<AtomicBool>,
+    consuming: Arc<AtomicBool>,
+    publishers: Vec<tokio::task::JoinHandle<()>>,
+    consumers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What happened to every message.
+#[derive(Debug)]
+pub struct Tally {
+    pub published: usize,
+    pub consumed: usize,
+    pub lost: Vec<String>,
+    pub duplicates: u64,
+    /// Publishes the broker returned as unroutable (each retried).
+    pub returned: u64,
+}
+
+async fn connect(uri: &str, name: &str) -> Connection {
+    Connection::connect(uri, ConnectionProperties::default().with_connection_name(name.to_owned().into()))
+        .await
+        .expect("test connection")
+}
+
+impl Traffic {
+    /// Publishers on `routes` (one message every `every` each) and `consumers` consumers of
+    /// `queue`. `preloaded` ids count as published (messages put in the queue beforehand).
+    pub async fn start(
+        uri: &str,
+        queue: &str,
+        routes: &[Route],
+        consumers: usize,
+        every: Duration,
+        preloaded: impl IntoIterator<Item = String>,
+    ) -> Self {
+        let counts = Arc::new(Counts::default());
+        counts.published.lock().unwrap().extend(preloaded);
+        let publishing = Arc::new(AtomicBool::new(true));
+        let consuming = Arc::new(AtomicBool::new(true));
+        let mut traffic =
+            Self { counts, publishing, consuming, publishers: Vec::new(), consumers: Vec::new() };
+        for route in routes {
+            let conn = connect(uri, "qgt-publisher").await;
+            let (counts, running, route) = (traffic.counts.clone(), traffic.publishing.clone(), route.clone());
+            traffic.publishers.push(tokio::spawn(async move { publish(conn, route, every, counts, running).await }));
+        }
+        for i in 0..consumers {
+            let conn = connect(uri, &format!("qgt-consumer-{i}")).await;
+            let (counts, running, queue) = (traffic.counts.clone(), traffic.consuming.clone(), queue.to_owned());
+            traffic.consumers.push(tokio::spawn(async move { consume(conn, queue, counts, running).await }));
+        }
+        traffic
+    }
+
+    pub fn published(&self) -> usize {
+        self.counts.published.lock().unwrap().len()
+    }
+
+    /// Stops publishing, waits (up to `within`) until every published message was consumed,
+    /// stops the consumers and counts.
+    pub async fn finish(mut self, within: Duration) -> Tally {
+        self.publishing.store(false, Ordering::SeqCst);
+        for p in self.publishers.drain(..) {
+            p.await.unwrap();
+        }
+        let counts = self.counts.clone();
+        let all_consumed = || {
+            let consumed = counts.consumed.lock().unwrap();
+            counts.published.lock().unwrap().iter().all(|id| consumed.contains_key(id))
+        };
+        let deadline = tokio::time::Instant::now() + within;
+        while !all_consumed() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.consuming.store(false, Ordering::SeqCst);
+        for c in self.consumers.drain(..) {
+            c.await.unwrap();
+        }
+        let consumed = counts.consumed.lock().unwrap();
+        let published = counts.published.lock().unwrap();
+        let mut lost: Vec<String> = published.iter().filter(|id| !consumed.contains_key(*id)).cloned().collect();
+        lost.sort();
+        Tally {
+            published: published.len(),
+            consumed: consumed.len(),
+            lost,
+            duplicates: consumed.values().map(|n| u64::from(n - 1)).sum(),
+            returned: counts.returned.load(Ordering::SeqCst),
+        }
+    }
+}
+
+async fn publish(conn: Connection, route: Route, every: Duration, counts: Arc<Counts>, running: Arc<AtomicBool>) {
+    let mut seq = 0u64;
+    let mut ch: Option<Channel> = None;
+    while running.load(Ordering::SeqCst) {
+        if ch.as_ref().is_none_or(|c| !c.status().connected()) {
+            let fresh = conn.create_channel().await.expect("publisher channel");
+            fresh.confirm_select(ConfirmSelectOptions::default()).await.expect("confirms");
+            ch = Some(fresh);
+        }
+        let channel = ch.as_ref().unwrap();
+        let id = format!("{}-{seq}", route.tag);
+        let sent = channel
+            .basic_publish(
+                route.exchange.as_str().into(),
+                route.routing_key.as_str().into(),
+                BasicPublishOptions { mandatory: true, ..Default::default() },
+                id.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2).with_message_id(id.as_str().into()),
+            )
+            .await;
+        let confirmed = match sent {
+            Ok(confirm) => confirm.await.ok(),
+            Err(_) => None,
+        };
+        match confirmed {
+            Some(Confirmation::Ack(None)) => {
+                counts.published.lock().unwrap().insert(id);
+                seq += 1;
+            }
+            // Returned (no queue by that name for a moment) or refused: the same id again.
+            Some(Confirmation::Ack(Some(_))) => {
+                counts.returned.fetch_add(1, Ordering::SeqCst);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(every).await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+}
+
+async fn consume(conn: Connection, queue: String, counts: Arc<Counts>, running: Arc<AtomicBool>) {
+    while running.load(Ordering::SeqCst) {
+        let Ok(ch) = conn.create_channel().await else { break };
+        let _ = ch.basic_qos(20, BasicQosOptions::default()).await;
+        // The queue may be missing for a moment (the swap): the refusal closes the channel.
+        let Ok(mut deliveries) =
+            ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await
+        else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        loop {
+            let next = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await;
+            match next {
+                Ok(Some(Ok(d))) => {
+                    let id = d.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+                    *counts.consumed.lock().unwrap().entry(id).or_default() += 1;
+                    let _ = d.acker.ack(BasicAckOptions::default()).await;
+                }
+                // Cancelled by the broker (its queue was deleted), or the channel failed.
+                Ok(Some(Err(_)) | None) => break,
+                Err(_) if !running.load(Ordering::SeqCst) => break,
+                Err(_) => {}
+            }
+        }
+        let _ = ch.close(200, "again".into()).await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+}
