@@ -544,6 +544,10 @@ pub struct MigrationStatus {
     /// publish to the default exchange could be unroutable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swap_window_millis: Option<i64>,
+    /// Milliseconds the queue refused publishes around the swap (its fence: a publisher with
+    /// confirms got nacks and retried; one without lost what it sent then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced_millis: Option<i64>,
     /// Messages the broker reported deleted with the old queue (0 unless a publish to the
     /// default exchange raced the swap of a quorum queue, which cannot be deleted if-empty).
     #[serde(default, skip_serializing_if = "Option::is_none")]

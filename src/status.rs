@@ -2,8 +2,8 @@
 //! reconcile [`Outcome`] and the previous status to the next one.
 
 use crate::crd::{
-    Binding, ConsumersObservation, DeadLetterObservation, DisruptionBudgetObservation, Finding, PrefetchObservation,
-    MigrationPhase, MigrationStatus, QueueObservation, QueuePolicyStatus, RolloutObservation,
+    Binding, ConsumersObservation, DeadLetterObservation, DisruptionBudgetObservation, Finding, MigrationPhase,
+    MigrationStatus, PrefetchObservation, QueueObservation, QueuePolicyStatus, RolloutObservation,
 };
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},

@@ -14,7 +14,7 @@ pub mod run;
 use crate::{
     broker::{
         amqp::AmqpError,
-        management::{FeatureFlag, ManagementError, QueueInfo},
+        management::{FeatureFlag, ManagementError, PolicyInfo, QueueInfo},
     },
     crd::{MigrationPhase, QueueType},
     plan::QueuePlan,
@@ -22,6 +22,9 @@ use crate::{
 };
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
+
+/// Above any priority a team gives its own policies: the fence must apply alone for its moment.
+const FENCE_PRIORITY: i64 = 999_999_999;
 
 /// AMQP short strings, which carry queue names, hold at most 255 bytes.
 const MAX_NAME_BYTES: usize = 255;
@@ -182,10 +185,7 @@ pub fn differences(current: &Shape, target: &Target) -> Vec<String> {
         diffs.push(format!("type: {} → {}", current.queue_type, want.queue_type));
     }
     if current.durable != want.durable || current.auto_delete != want.auto_delete {
-        diffs.push(format!(
-            "durable/auto-delete: {}/{} → true/false",
-            current.durable, current.auto_delete
-        ));
+        diffs.push(format!("durable/auto-delete: {}/{} → true/false", current.durable, current.auto_delete));
     }
     let mut keys: Vec<&String> = current.arguments.keys().chain(want.arguments.keys()).collect();
     keys.sort();
@@ -255,6 +255,29 @@ pub fn refusal(current: &Shape, target: &Target, flags: Option<&[FeatureFlag]>) 
     None
 }
 
+/// The policy that fences a queue while it is swapped: it refuses every publish (a publisher with
+/// confirms gets a nack and retries), so no message reaches the queue while the broker deletes
+/// it. Without it, a message routed to the queue as its deletion runs is confirmed and dropped
+/// with it. A policy's overflow gives way to a declared `x-overflow`: with `drop-head` declared,
+/// a length limit of 0 would drop messages instead, so such a queue is not fenced (None).
+pub fn fence(queue: &str, current: &Shape) -> Option<PolicyInfo> {
+    let declared = current.arguments.get("x-overflow").and_then(Value::as_str);
+    if declared.is_some_and(|o| !o.starts_with("reject-publish")) {
+        return None;
+    }
+    Some(PolicyInfo {
+        name: fence_name(queue),
+        pattern: format!("^{}$", regex::escape(queue)),
+        apply_to: "queues".into(),
+        priority: FENCE_PRIORITY,
+        definition: Map::from_iter([("max-length".into(), json!(0)), ("overflow".into(), json!("reject-publish"))]),
+    })
+}
+
+pub fn fence_name(queue: &str) -> String {
+    format!("queueguard-fence.{queue}")
+}
+
 /// Where a migration stands, read from the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resume {
@@ -267,21 +290,24 @@ pub enum Resume {
     At(MigrationPhase),
 }
 
-/// The step to take next, from the queue's shape (None: no queue by that name) and whether
-/// the holding queue exists. Every step is safe to take again, so the earliest step that may
-/// not have finished is the one to resume at.
-pub fn resume_at(queue: Option<&Shape>, holding: bool, target: &Target) -> Resume {
+/// The step to take next, from the queue's shape (None: no queue by that name), whether the
+/// holding queue exists, and the last step recorded for this target (recorded before it was
+/// taken, so every earlier step finished). The broker bounds where a migration can stand; the
+/// record says how far within those bounds it got. Every step is safe to take again.
+pub fn resume_at(queue: Option<&Shape>, holding: bool, target: &Target, recorded: Option<MigrationPhase>) -> Resume {
+    use MigrationPhase::*;
     let reshaped = |q: &Shape| differences(q, target).is_empty();
-    match (queue, holding) {
-        (None, false) => Resume::NotNeeded,
-        (Some(q), false) if reshaped(q) => Resume::NotNeeded,
-        (Some(_), false) => Resume::Start,
+    let (earliest, latest) = match (queue, holding) {
+        (None, false) => return Resume::NotNeeded,
+        (Some(q), false) if reshaped(q) => return Resume::NotNeeded,
+        (Some(_), false) => return Resume::Start,
         // Routes may be half moved: moving them again is harmless, and the messages follow.
-        (Some(q), true) if !reshaped(q) => Resume::At(MigrationPhase::Preparing),
-        (None, true) => Resume::At(MigrationPhase::Swapping),
+        (Some(q), true) if !reshaped(q) => (Preparing, Swapping),
+        (None, true) => (Swapping, Swapping),
         // Also the way back when the spec returned to the old shape midway.
-        (Some(_), true) => Resume::At(MigrationPhase::Restoring),
-    }
+        (Some(_), true) => (Restoring, Refilling),
+    };
+    Resume::At(recorded.map_or(earliest, |r| r.clamp(earliest, latest)))
 }
 
 #[cfg(test)]

@@ -8,18 +8,17 @@ use super::Error;
 use crate::broker::{Broker, amqp::AmqpError};
 use futures::StreamExt;
 use lapin::{
-    Channel,
+    BasicProperties, Channel, Confirmation, PublisherConfirm,
     options::{
         BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
         QueueDeclareOptions,
     },
-    Confirmation, PublisherConfirm,
     types::FieldTable,
 };
 use std::{
     collections::VecDeque,
     sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// Deliveries in flight from the old queue: enough to keep the broker's confirms streaming.
@@ -28,6 +27,8 @@ const PREFETCH: u16 = 2000;
 const BATCH: usize = 500;
 /// A pause this long in deliveries makes the mover ask whether the queue is empty.
 const IDLE: Duration = Duration::from_millis(100);
+/// ...and so does this much time moving.
+const LOOK_EVERY: Duration = Duration::from_millis(500);
 
 /// Moves every message of `from` into `to` until `from` holds no ready message and nothing is
 /// in flight; counts each confirmed copy in `moved` as it goes (for status and metrics) and
@@ -53,8 +54,14 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
             .await?;
         let mut pending: VecDeque<(u64, PublisherConfirm)> = VecDeque::new();
         let mut count = 0u64;
+        // Publishes through the default exchange may keep coming while it moves, so it stops at
+        // a look that finds nothing ready after a pause, or at the second such look in a row:
+        // the deliveries on their way at the first have arrived by then. What comes later is
+        // the swap's to move.
+        let mut looked = Instant::now();
+        let mut winding_down = false;
         loop {
-            match tokio::time::timeout(IDLE, deliveries.next()).await {
+            let idle = match tokio::time::timeout(IDLE, deliveries.next()).await {
                 Ok(Some(Ok(delivery))) => {
                     let confirm = publish
                         .basic_publish(
@@ -62,7 +69,7 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
                             to.into(),
                             BasicPublishOptions { mandatory: true, ..Default::default() },
                             &delivery.data,
-                            delivery.properties.clone(),
+                            carried(&delivery.properties),
                         )
                         .await
                         .map_err(|e| amqp.classify(e))?;
@@ -70,6 +77,10 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
                     if pending.len() >= BATCH {
                         count += settle(&consume, &mut pending, to, moved).await?;
                     }
+                    if looked.elapsed() < LOOK_EVERY {
+                        continue;
+                    }
+                    false
                 }
                 Ok(Some(Err(e))) => return Err(amqp.classify(e).into()),
                 // The broker cancelled the consumer: the queue is gone.
@@ -77,13 +88,15 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
                     count += settle(&consume, &mut pending, to, moved).await?;
                     return Ok(count);
                 }
-                Err(_idle) => {
-                    count += settle(&consume, &mut pending, to, moved).await?;
-                    if ready(&publish, from).await? == 0 {
-                        return Ok(count);
-                    }
-                }
+                Err(_) => true,
+            };
+            count += settle(&consume, &mut pending, to, moved).await?;
+            looked = Instant::now();
+            let empty = ready(&publish, from).await? == 0;
+            if empty && (idle || winding_down) {
+                return Ok(count);
             }
+            winding_down = empty;
         }
     }
     .await;
@@ -144,6 +157,20 @@ async fn confirmed(confirm: PublisherConfirm, to: &str) -> Result<(), Error> {
     }
 }
 
+/// A message's properties as they are carried over: all of them, but for the delivery count a
+/// quorum queue adds when it delivers (its own counter, not the message's; the new queue keeps
+/// its own).
+fn carried(properties: &BasicProperties) -> BasicProperties {
+    let Some(headers) = properties.headers().as_ref().filter(|h| h.inner().contains_key("x-delivery-count")) else {
+        return properties.clone();
+    };
+    let mut kept = FieldTable::default();
+    for (k, v) in headers.inner().iter().filter(|(k, _)| k.as_str() != "x-delivery-count") {
+        kept.insert(k.clone(), v.clone());
+    }
+    properties.clone().with_headers(kept)
+}
+
 fn lost(detail: &str) -> Error {
     Error::Amqp(AmqpError::Lost { endpoint: "broker".into(), detail: detail.into() })
 }
@@ -151,9 +178,10 @@ fn lost(detail: &str) -> Error {
 /// Ready messages in a queue, by passive declare (immediate, unlike management statistics).
 pub async fn ready(ch: &Channel, queue: &str) -> Result<u32, Error> {
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-    let q = tokio::time::timeout(Duration::from_secs(30), ch.queue_declare(queue.into(), passive, FieldTable::default()))
-        .await
-        .map_err(|_| lost("no answer to a passive declare"))?
-        .map_err(|e| Error::Failed(format!("reading queue '{queue}': {e}")))?;
+    let q =
+        tokio::time::timeout(Duration::from_secs(30), ch.queue_declare(queue.into(), passive, FieldTable::default()))
+            .await
+            .map_err(|_| lost("no answer to a passive declare"))?
+            .map_err(|e| Error::Failed(format!("reading queue '{queue}': {e}")))?;
     Ok(q.message_count())
 }

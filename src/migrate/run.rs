@@ -1,10 +1,11 @@
 //! Carries out a migration on the broker, step by step, each recorded before it is taken.
 
-use super::{Error, Resume, Shape, Target, holding_name, mover, refusal, resume_at};
+use super::{Error, Resume, Shape, Target, fence, fence_name, holding_name, mover, refusal, resume_at};
 use crate::{
     broker::{
         Broker,
         amqp::{AmqpError, OPERATION_TIMEOUT},
+        management::PolicyInfo,
         refusal::{NOT_FOUND, PRECONDITION_FAILED},
     },
     crd::{MigrationPhase, MigrationStatus, QueueType},
@@ -17,12 +18,14 @@ use lapin::{
 use serde_json::{Map, Value};
 use std::{
     sync::atomic::{AtomicU64, Ordering},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 /// Attempts at deleting the emptied queue before giving up for this pass: each failed one
 /// (messages published to it meanwhile through the default exchange) drains it again.
 const SWAP_ATTEMPTS: usize = 20;
+/// A moment for the fence to reach a queue on another node.
+const FENCE_SETTLE: Duration = Duration::from_millis(50);
 
 /// Where a migration's progress is recorded before each step: status.migration in the
 /// cluster, the terminal in local mode. An error stops the migration before that step.
@@ -53,9 +56,12 @@ pub async fn migrate<J: Journal>(
     let holding = holding_name(&target.queue);
     let current = broker.management.queue(&vhost, &target.queue).await?.map(|q| Shape::of(&q));
     let held = broker.management.queue(&vhost, &holding).await?.is_some();
-    let in_progress = previous.filter(|p| p.queue == target.queue && p.phase < MigrationPhase::RestartingConsumers);
+    // A record of a migration to another shape (the spec changed midway) says nothing of this one.
+    let in_progress = previous.filter(|p| {
+        p.queue == target.queue && p.to == target.shape().describe() && p.phase < MigrationPhase::RestartingConsumers
+    });
     let mut state = in_progress.cloned().unwrap_or_default();
-    let first = match resume_at(current.as_ref(), held, target) {
+    let first = match resume_at(current.as_ref(), held, target, in_progress.map(|p| p.phase)) {
         Resume::NotNeeded => return Ok(Ended::NotNeeded),
         Resume::Start => {
             let current = current.as_ref().expect("Start means the queue exists");
@@ -122,7 +128,7 @@ impl<J: Journal> Step<'_, J> {
         let (queue, holding) = (self.target.queue.as_str(), self.holding);
         match phase {
             MigrationPhase::Preparing => {
-                declare(self.broker, holding, &holding_arguments(self.target)).await?;
+                ensure_holding(self.broker, holding, self.target).await?;
                 self.reroute(queue, holding).await
             }
             MigrationPhase::Draining => {
@@ -130,7 +136,11 @@ impl<J: Journal> Step<'_, J> {
                 Ok(())
             }
             MigrationPhase::Swapping => self.swap().await,
-            MigrationPhase::Restoring => self.reroute(holding, queue).await,
+            MigrationPhase::Restoring => {
+                // A swap cut off before it lifted its fence left it up.
+                self.broker.management.delete_policy(self.vhost, &fence_name(queue)).await?;
+                self.reroute(holding, queue).await
+            }
             MigrationPhase::Refilling => {
                 self.state.moved_back += self.drain(holding, queue).await?;
                 delete_emptied(self.broker, holding).await.map(drop)
@@ -190,7 +200,45 @@ impl<J: Journal> Step<'_, J> {
     /// measured. Messages that reached the old queue since it was drained are drained again.
     async fn swap(&mut self) -> Result<(), Error> {
         let queue = self.target.queue.as_str();
+        let current = self.broker.management.queue(self.vhost, queue).await?.map(|q| Shape::of(&q));
+        let raised = Instant::now();
+        let fenced = match current.as_ref().and_then(|c| fence(queue, c)) {
+            Some(policy) => {
+                self.raise_fence(&policy).await?;
+                true
+            }
+            None => false,
+        };
+        let swapped = self.swap_fenced(current.as_ref()).await;
+        if fenced {
+            let lifted = self.broker.management.delete_policy(self.vhost, &fence_name(queue)).await;
+            // The next pass lifts it (Restoring does, first) if this one could not.
+            match lifted {
+                Ok(()) => self.state.fenced_millis = Some(raised.elapsed().as_millis() as i64),
+                Err(e) => tracing::warn!(%queue, error = %e, "could not lift the swap's fence yet"),
+            }
+        }
+        swapped
+    }
+
+    /// Puts the fence up, above every other policy of the vhost. The management API answers
+    /// once the queue has been told (a message in its mailbox, or a command in its log, ahead of
+    /// any publish sent after the answer); the statistics that would show it lag by seconds, so
+    /// a short settle stands in for them, for a queue on another node.
+    async fn raise_fence(&self, policy: &PolicyInfo) -> Result<(), Error> {
+        let management = &self.broker.management;
+        let others = management.policies(self.vhost).await?;
+        let top = others.iter().filter(|p| p.name != policy.name).map(|p| p.priority).max().unwrap_or(0);
+        let policy = PolicyInfo { priority: policy.priority.max(top + 1), ..policy.clone() };
+        management.put_policy(self.vhost, &policy).await?;
+        tokio::time::sleep(FENCE_SETTLE).await;
+        Ok(())
+    }
+
+    async fn swap_fenced(&mut self, current: Option<&Shape>) -> Result<(), Error> {
+        let queue = self.target.queue.as_str();
         let arguments = field_table(&self.target.declare_arguments());
+        let classic = current.is_none_or(|c| c.queue_type == "classic");
         for _ in 0..SWAP_ATTEMPTS {
             let ch = self.broker.amqp.channel().await?;
             let ready = match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
@@ -198,7 +246,6 @@ impl<J: Journal> Step<'_, J> {
                 Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => None,
                 Err(e) => return Err(e.into()),
             };
-            let classic = ready.is_none() || self.current_is_classic().await?;
             if !classic && ready > Some(0) {
                 self.state.moved_out += self.drain(queue, self.holding).await?;
                 continue;
@@ -245,11 +292,6 @@ impl<J: Journal> Step<'_, J> {
             "queue '{queue}' kept receiving messages through the default exchange: it was not empty at {SWAP_ATTEMPTS} attempts to swap it; the next pass tries again"
         )))
     }
-
-    async fn current_is_classic(&self) -> Result<bool, Error> {
-        let info = self.broker.management.queue(self.vhost, &self.target.queue).await?;
-        Ok(info.is_none_or(|q| Shape::of(&q).queue_type == "classic"))
-    }
 }
 
 /// Deletes a queue nothing routes to any more, once it is empty; a missing one is deleted.
@@ -261,13 +303,12 @@ async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
         Err(e) => return Err(e.into()),
     };
     if ready > 0 {
-        return Err(Error::Failed(format!("holding queue '{queue}' still holds {ready} messages; moving them next pass")));
+        return Err(Error::Failed(format!(
+            "holding queue '{queue}' still holds {ready} messages; moving them next pass"
+        )));
     }
-    let classic = broker
-        .management
-        .queue(broker.vhost(), queue)
-        .await?
-        .is_none_or(|q| Shape::of(&q).queue_type == "classic");
+    let classic =
+        broker.management.queue(broker.vhost(), queue).await?.is_none_or(|q| Shape::of(&q).queue_type == "classic");
     let options = QueueDeleteOptions { if_empty: classic, ..Default::default() };
     match ch.run(ch.queue_delete(queue.into(), options)).await {
         Ok(n) => Ok(n),
@@ -276,21 +317,27 @@ async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
     }
 }
 
-async fn declare(broker: &Broker, queue: &str, arguments: &Map<String, Value>) -> Result<(), Error> {
-    let ch = broker.amqp.channel().await?;
-    ch.run(ch.queue_declare(queue.into(), durable(), field_table(arguments))).await?;
-    Ok(())
-}
-
 /// The holding queue: durable, of the target type (replicated when the target is quorum), with
-/// no limits, so nothing moved into it is dropped or dead-lettered.
-fn holding_arguments(target: &Target) -> Map<String, Value> {
-    Map::from_iter([("x-queue-type".to_owned(), Value::from(target.queue_type.as_str()))])
+/// no limits, so nothing moved into it is dropped or dead-lettered. One left by a migration to
+/// another shape (the spec changed midway) is kept as it is: it holds messages.
+async fn ensure_holding(broker: &Broker, holding: &str, target: &Target) -> Result<(), Error> {
+    let ch = broker.amqp.channel().await?;
+    match ch.run(ch.queue_declare(holding.into(), passive(), FieldTable::default())).await {
+        Ok(_) => return Ok(()),
+        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => {}
+        Err(e) => return Err(e.into()),
+    }
+    let arguments = Map::from_iter([("x-queue-type".to_owned(), Value::from(target.queue_type.as_str()))]);
+    let ch = broker.amqp.channel().await?;
+    ch.run(ch.queue_declare(holding.into(), durable(), field_table(&arguments))).await?;
+    Ok(())
 }
 
 fn describe(phase: MigrationPhase, queue: &str, holding: &str) -> String {
     match phase {
-        MigrationPhase::Preparing => format!("declaring holding queue '{holding}' and moving the exchange routes of '{queue}' to it"),
+        MigrationPhase::Preparing => {
+            format!("declaring holding queue '{holding}' and moving the exchange routes of '{queue}' to it")
+        }
         MigrationPhase::Draining => format!("moving the messages of '{queue}' into '{holding}'"),
         MigrationPhase::Swapping => format!("deleting the emptied '{queue}' and declaring it with its new shape"),
         MigrationPhase::Restoring => format!("moving the exchange routes back from '{holding}' to '{queue}'"),
@@ -325,7 +372,9 @@ fn amqp_value(v: &Value) -> AMQPValue {
             None => AMQPValue::Double(n.as_f64().unwrap_or_default()),
         },
         Value::String(s) => AMQPValue::LongString(s.as_str().into()),
-        Value::Array(items) => AMQPValue::FieldArray(FieldArray::from(items.iter().map(amqp_value).collect::<Vec<_>>())),
+        Value::Array(items) => {
+            AMQPValue::FieldArray(FieldArray::from(items.iter().map(amqp_value).collect::<Vec<_>>()))
+        }
         Value::Object(map) => AMQPValue::FieldTable(field_table(map)),
     }
 }

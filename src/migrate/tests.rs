@@ -22,15 +22,24 @@ fn flag(state: &str) -> Vec<FeatureFlag> {
 #[test]
 fn differences_name_each_fixed_setting_that_changes() {
     let now = shape("classic", json!({"x-max-length": 10, "x-expires": 1800000}));
-    assert_eq!(differences(&now, &target(QueueType::Classic, json!({"x-max-length": 10, "x-expires": 1800000}))), Vec::<String>::new());
+    assert_eq!(
+        differences(&now, &target(QueueType::Classic, json!({"x-max-length": 10, "x-expires": 1800000}))),
+        Vec::<String>::new()
+    );
     assert_eq!(
         differences(&now, &target(QueueType::Quorum, json!({"x-max-length": 20, "x-expires": 1800000}))),
         ["type: classic → quorum", "x-max-length: 10 → 20"]
     );
     let mut auto = shape("classic", json!({}));
     auto.auto_delete = true;
-    assert_eq!(differences(&auto, &target(QueueType::Classic, json!({}))), ["durable/auto-delete: true/true → true/false"]);
-    assert_eq!(differences(&now, &target(QueueType::Classic, json!({"x-expires": 1800000}))), ["x-max-length: 10 → unset"]);
+    assert_eq!(
+        differences(&auto, &target(QueueType::Classic, json!({}))),
+        ["durable/auto-delete: true/true → true/false"]
+    );
+    assert_eq!(
+        differences(&now, &target(QueueType::Classic, json!({"x-expires": 1800000}))),
+        ["x-max-length: 10 → unset"]
+    );
 }
 
 #[test]
@@ -50,12 +59,22 @@ fn resumes_at_the_earliest_step_the_broker_state_allows() {
     let old = shape("classic", json!({}));
     let new = shape("quorum", json!({}));
     let t = target(QueueType::Quorum, json!({}));
-    assert_eq!(resume_at(None, false, &t), Resume::NotNeeded);
-    assert_eq!(resume_at(Some(&new), false, &t), Resume::NotNeeded);
-    assert_eq!(resume_at(Some(&old), false, &t), Resume::Start);
-    assert_eq!(resume_at(Some(&old), true, &t), Resume::At(MigrationPhase::Preparing));
-    assert_eq!(resume_at(None, true, &t), Resume::At(MigrationPhase::Swapping));
-    assert_eq!(resume_at(Some(&new), true, &t), Resume::At(MigrationPhase::Restoring));
+    assert_eq!(resume_at(None, false, &t, None), Resume::NotNeeded);
+    assert_eq!(resume_at(Some(&new), false, &t, None), Resume::NotNeeded);
+    assert_eq!(resume_at(Some(&old), false, &t, None), Resume::Start);
+    assert_eq!(resume_at(Some(&old), true, &t, None), Resume::At(MigrationPhase::Preparing));
+    assert_eq!(resume_at(None, true, &t, None), Resume::At(MigrationPhase::Swapping));
+    assert_eq!(resume_at(Some(&new), true, &t, None), Resume::At(MigrationPhase::Restoring));
+
+    // The record moves the resume point on within what the broker allows.
+    let at = |q, h, r| resume_at(q, h, &t, Some(r));
+    assert_eq!(at(Some(&old), true, MigrationPhase::Draining), Resume::At(MigrationPhase::Draining));
+    assert_eq!(at(Some(&old), true, MigrationPhase::Swapping), Resume::At(MigrationPhase::Swapping));
+    assert_eq!(at(Some(&old), true, MigrationPhase::Refilling), Resume::At(MigrationPhase::Swapping));
+    assert_eq!(at(None, true, MigrationPhase::Draining), Resume::At(MigrationPhase::Swapping));
+    assert_eq!(at(Some(&new), true, MigrationPhase::Swapping), Resume::At(MigrationPhase::Restoring));
+    assert_eq!(at(Some(&new), true, MigrationPhase::Refilling), Resume::At(MigrationPhase::Refilling));
+    assert_eq!(at(Some(&new), false, MigrationPhase::Refilling), Resume::NotNeeded);
 }
 
 #[test]
@@ -71,7 +90,10 @@ fn refusals_come_before_anything_is_touched() {
     assert!(why.contains("x-max-priority 5") && why.contains("quorum queues have no priorities"), "{why}");
     let why = refusal(&priority, &target(QueueType::Classic, json!({"x-max-length": 3})), None).unwrap();
     assert!(why.contains("no x-max-priority"), "{why}");
-    assert_eq!(refusal(&priority, &target(QueueType::Classic, json!({"x-max-priority": 5, "x-max-length": 3})), None), None);
+    assert_eq!(
+        refusal(&priority, &target(QueueType::Classic, json!({"x-max-priority": 5, "x-max-length": 3})), None),
+        None
+    );
 
     let dlx = target(QueueType::Quorum, json!({"x-overflow": "reject-publish-dlx", "x-max-length": 3}));
     assert!(refusal(&classic, &dlx, None).unwrap().contains("reject-publish-dlx"));
@@ -97,4 +119,13 @@ fn converting_leaves_behind_what_the_new_type_does_not_take() {
     let (t, dropped) = Target::converted("orders", &quorum, QueueType::Classic);
     assert_eq!(dropped, ["x-delivery-limit"]);
     assert_eq!(t.declare_arguments(), *json!({"x-max-length": 9, "x-queue-type": "classic"}).as_object().unwrap());
+}
+
+#[test]
+fn the_fence_refuses_publishes_unless_a_declared_overflow_would_drop_instead() {
+    let fenced = fence("orders.v2", &shape("classic", json!({}))).unwrap();
+    assert_eq!(fenced.pattern, "^orders\\.v2$");
+    assert_eq!(fenced.definition, json!({"max-length": 0, "overflow": "reject-publish"}).as_object().unwrap().clone());
+    assert!(fence("q", &shape("quorum", json!({"x-overflow": "reject-publish-dlx"}))).is_some());
+    assert_eq!(fence("q", &shape("classic", json!({"x-overflow": "drop-head"}))), None);
 }

@@ -9,12 +9,12 @@ use lapin::{
     types::FieldTable,
 };
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 /// Where a publisher sends: an exchange and routing key ("" and the queue for the default one).
@@ -28,9 +28,11 @@ pub struct Route {
 
 #[derive(Default)]
 struct Counts {
-    published: Mutex<HashSet<String>>,
+    /// When the broker confirmed each (None: preloaded).
+    published: Mutex<HashMap<String, Option<Instant>>>,
     consumed: Mutex<HashMap<String, u32>>,
     returned: AtomicU64,
+    refused: AtomicU64,
 }
 
 pub struct Traffic {
@@ -41,15 +43,24 @@ pub struct Traffic {
     consumers: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// A message published (confirmed) and never consumed.
+#[derive(Debug)]
+pub struct Lost {
+    pub id: String,
+    pub confirmed_at: Option<Instant>,
+}
+
 /// What happened to every message.
 #[derive(Debug)]
 pub struct Tally {
     pub published: usize,
     pub consumed: usize,
-    pub lost: Vec<String>,
+    pub lost: Vec<Lost>,
     pub duplicates: u64,
     /// Publishes the broker returned as unroutable (each retried).
     pub returned: u64,
+    /// Publishes the broker refused with a nack (each retried).
+    pub refused: u64,
 }
 
 async fn connect(uri: &str, name: &str) -> Connection {
@@ -70,11 +81,10 @@ impl Traffic {
         preloaded: impl IntoIterator<Item = String>,
     ) -> Self {
         let counts = Arc::new(Counts::default());
-        counts.published.lock().unwrap().extend(preloaded);
+        counts.published.lock().unwrap().extend(preloaded.into_iter().map(|id| (id, None)));
         let publishing = Arc::new(AtomicBool::new(true));
         let consuming = Arc::new(AtomicBool::new(true));
-        let mut traffic =
-            Self { counts, publishing, consuming, publishers: Vec::new(), consumers: Vec::new() };
+        let mut traffic = Self { counts, publishing, consuming, publishers: Vec::new(), consumers: Vec::new() };
         for route in routes {
             let conn = connect(uri, "qgt-publisher").await;
             let (counts, running, route) = (traffic.counts.clone(), traffic.publishing.clone(), route.clone());
@@ -102,7 +112,7 @@ impl Traffic {
         let counts = self.counts.clone();
         let all_consumed = || {
             let consumed = counts.consumed.lock().unwrap();
-            counts.published.lock().unwrap().iter().all(|id| consumed.contains_key(id))
+            counts.published.lock().unwrap().keys().all(|id| consumed.contains_key(id))
         };
         let deadline = tokio::time::Instant::now() + within;
         while !all_consumed() && tokio::time::Instant::now() < deadline {
@@ -114,14 +124,19 @@ impl Traffic {
         }
         let consumed = counts.consumed.lock().unwrap();
         let published = counts.published.lock().unwrap();
-        let mut lost: Vec<String> = published.iter().filter(|id| !consumed.contains_key(*id)).cloned().collect();
-        lost.sort();
+        let mut lost: Vec<Lost> = published
+            .iter()
+            .filter(|(id, _)| !consumed.contains_key(*id))
+            .map(|(id, at)| Lost { id: id.clone(), confirmed_at: *at })
+            .collect();
+        lost.sort_by(|a, b| a.id.cmp(&b.id));
         Tally {
             published: published.len(),
             consumed: consumed.len(),
             lost,
             duplicates: consumed.values().map(|n| u64::from(n - 1)).sum(),
             returned: counts.returned.load(Ordering::SeqCst),
+            refused: counts.refused.load(Ordering::SeqCst),
         }
     }
 }
@@ -152,12 +167,15 @@ async fn publish(conn: Connection, route: Route, every: Duration, counts: Arc<Co
         };
         match confirmed {
             Some(Confirmation::Ack(None)) => {
-                counts.published.lock().unwrap().insert(id);
+                counts.published.lock().unwrap().insert(id, Some(Instant::now()));
                 seq += 1;
             }
             // Returned (no queue by that name for a moment) or refused: the same id again.
             Some(Confirmation::Ack(Some(_))) => {
                 counts.returned.fetch_add(1, Ordering::SeqCst);
+            }
+            Some(Confirmation::Nack(_)) => {
+                counts.refused.fetch_add(1, Ordering::SeqCst);
             }
             _ => {}
         }
@@ -171,8 +189,9 @@ async fn consume(conn: Connection, queue: String, counts: Arc<Counts>, running: 
         let Ok(ch) = conn.create_channel().await else { break };
         let _ = ch.basic_qos(20, BasicQosOptions::default()).await;
         // The queue may be missing for a moment (the swap): the refusal closes the channel.
-        let Ok(mut deliveries) =
-            ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await
+        let Ok(mut deliveries) = ch
+            .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
         else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
