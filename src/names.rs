@@ -3,6 +3,9 @@
 
 /// The readiness gate, and the pod condition type the operator owns.
 pub const GATE_CONDITION: &str = "queueguard.io/consumer-attached";
+/// The pod template annotation that restarts a workload's pods after its queue was migrated (as
+/// `kubectl rollout restart` does with its own); its value is the migration's start.
+pub const RESTARTED_AT: &str = "queueguard.io/restartedAt";
 /// The finalizer on QueuePolicies and QueuePatterns.
 pub const FINALIZER: &str = "queueguard.io/cleanup";
 /// The one field manager of every server-side apply the operator makes.

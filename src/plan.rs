@@ -7,8 +7,8 @@
 use crate::{
     broker::management::addressable,
     crd::{
-        Binding, ConsumersSpec, DeletionPolicy, FailurePolicy, GateMode, MatchBy, Overflow, QueuePolicy, QueueType,
-        SettingsMode,
+        Binding, ConsumersSpec, DeletionPolicy, FailurePolicy, GateMode, MatchBy, OnChange, Overflow, QueuePolicy,
+        QueueType, SettingsMode,
     },
     duration::{self, DurationText},
 };
@@ -67,6 +67,8 @@ pub struct QueuePlan {
     /// spec.broker.vhost; None means the vhost of the Secret's URI.
     pub vhost: Option<String>,
     pub queue_type: QueueType,
+    /// What a change of the queue's fixed shape does: refused, or carried out as a migration.
+    pub on_change: OnChange,
     pub mode: SettingsMode,
     pub settings: QueueSettings,
     pub dead_letter_queue: String,
@@ -205,6 +207,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         queue,
         vhost: spec.broker.vhost.clone(),
         queue_type: q.queue_type,
+        on_change: q.on_change,
         mode: q.settings,
         settings: QueueSettings {
             expires: expires.unwrap_or_default(),

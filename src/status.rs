@@ -266,6 +266,22 @@ pub fn next_status(
     }
 }
 
+/// The stored status with a migration's step recorded: its state and the Migrating condition,
+/// everything else as it was (written before the step is taken).
+pub fn with_migration(
+    previous: Option<&QueuePolicyStatus>,
+    m: &MigrationStatus,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> QueuePolicyStatus {
+    let mut status = previous.cloned().unwrap_or_default();
+    let migrating = condition(&status.conditions, ConditionType::Migrating, &migrating(m), generation, now);
+    status.conditions.retain(|c| c.type_ != migrating.type_);
+    status.conditions.push(migrating);
+    status.migration = Some(m.clone());
+    status
+}
+
 /// The Migrating condition: True while a migration is under way, False once it ended.
 pub fn migrating(m: &MigrationStatus) -> Check {
     match m.phase {

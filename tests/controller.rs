@@ -898,3 +898,118 @@ async fn deleted_behind_the_operators_back(which: fn(&queueguard::plan::QueuePla
     assert!(exists(&gone).await, "declared again");
     remove_all(&plan_of(&p)).await;
 }
+
+#[tokio::test]
+async fn a_type_change_with_migrate_is_carried_out_step_by_step_in_status_and_events() {
+    let (ctx, mut api) = harness();
+    let name = unique("ctrl-migrate");
+    let before = with_finalizer(policy(&name, "{type: classic}"));
+    let after = with_finalizer(policy(&name, "{type: quorum, onChange: Migrate}"));
+    let pool = queueguard::broker::BrokerPool::new(unique("conn"));
+    let plan = plan_of(&before);
+    assert!(
+        queueguard::converge::converge(&plan, &broker(&pool, &plan), &[], queueguard::converge::Mode::Declare)
+            .await
+            .is_ready()
+    );
+    let ids: Vec<String> = (0..300).map(|i| format!("M-{i}")).collect();
+    {
+        let (_conn, ch) = app().await;
+        ch.confirm_select(Default::default()).await.unwrap();
+        for id in &ids {
+            let props = lapin::BasicProperties::default().with_message_id(id.as_str().into()).with_delivery_mode(2);
+            ch.basic_publish("".into(), name.as_str().into(), Default::default(), id.as_bytes(), props)
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    }
+
+    let echo = serde_json::to_value(&after).unwrap();
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        let (mut steps, mut events) = (Vec::new(), Vec::new());
+        let mut names = std::collections::HashMap::new();
+        loop {
+            let call = api.next(Duration::from_secs(20)).await.expect("the pass goes on");
+            // An Event, or a repeat of one (the recorder patches its series), by its name.
+            if call.path.starts_with("/apis/events.k8s.io/") {
+                let event = if call.method == "POST" {
+                    assert_eq!(call.body["regarding"]["kind"], "QueuePolicy");
+                    let reason = call.body["reason"].as_str().unwrap().to_owned();
+                    names.insert(call.body["metadata"]["name"].as_str().unwrap_or_default().to_owned(), reason.clone());
+                    reason
+                } else {
+                    names[call.path.rsplit('/').next().unwrap()].clone()
+                };
+                events.push(event);
+                let body = call.body.clone();
+                let code = if call.method == "POST" { StatusCode::CREATED } else { StatusCode::OK };
+                call.respond(code, &body);
+                continue;
+            }
+            assert_eq!(
+                (call.method.as_str(), call.path.as_str()),
+                ("PATCH", format!("{POLICIES}/{}/status", after_name(&echo)).as_str())
+            );
+            let status = call.body["status"].clone();
+            call.respond(StatusCode::OK, &echo);
+            if status.get("queue").is_some() {
+                return (steps, events, status);
+            }
+            let m = &status["migration"];
+            steps.push(format!("{} {}", m["queue"].as_str().unwrap(), m["phase"].as_str().unwrap()));
+            assert!(!status.to_string().contains("guest:guest"), "no credentials in status");
+        }
+    });
+    run(after.clone(), ctx).await.unwrap();
+    let (steps, events, status) = server.await.unwrap();
+
+    let dlq = format!("{name}.dlq");
+    let mut expected: Vec<String> = Vec::new();
+    for queue in [&dlq, &name] {
+        for phase in ["Preparing", "Draining", "Swapping", "Restoring", "Refilling"] {
+            expected.push(format!("{queue} {phase}"));
+        }
+    }
+    expected.push(format!("{name} Completed"));
+    assert_eq!(steps, expected, "each step recorded before it was taken");
+    assert_eq!(events.iter().filter(|e| *e == "Migrating").count(), 10, "{events:?}");
+    assert!(events.contains(&"MigrationCompleted".to_owned()), "{events:?}");
+
+    let m = &status["migration"];
+    assert_eq!(
+        (m["phase"].as_str(), m["movedOut"].as_i64(), m["movedBack"].as_i64()),
+        (Some("Completed"), Some(300), Some(300))
+    );
+    assert_eq!(m["consumersRestarted"], json!(false));
+    assert!(m["message"].as_str().unwrap().contains("must be restarted"), "{m}");
+    assert!(m["finishedAt"].is_string() && m["swapWindowMillis"].is_number(), "{m}");
+    let migrating = condition(&status, "Migrating");
+    assert_eq!(
+        (migrating["status"].as_str(), migrating["reason"].as_str()),
+        (Some("False"), Some("MigrationCompleted"))
+    );
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
+    assert_eq!(q["type"], "quorum");
+    assert_eq!(counts(&format!("{name}.queueguard-migrating")).await, None, "the holding queue is gone");
+    let consumed = drain_ids(&name).await;
+    assert!(ids.iter().all(|id| consumed.contains(id)), "every message is in the new queue");
+    remove_all(&plan_of(&after)).await;
+}
+
+fn after_name(policy: &Value) -> String {
+    policy["metadata"]["name"].as_str().unwrap().to_owned()
+}
+
+/// The message ids in a queue, taken out of it.
+async fn drain_ids(queue: &str) -> std::collections::HashSet<String> {
+    let (_conn, ch) = app().await;
+    let mut ids = std::collections::HashSet::new();
+    while let Some(m) = ch.basic_get(queue.into(), lapin::options::BasicGetOptions { no_ack: true }).await.unwrap() {
+        ids.insert(m.delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default());
+    }
+    ids
+}

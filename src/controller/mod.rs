@@ -5,6 +5,7 @@
 //! shares, its errors and its context.
 
 pub mod gate_io;
+mod migration;
 pub mod pattern;
 mod policy;
 mod process;

@@ -6,6 +6,7 @@
 use super::{
     Context, Converged, Error, FINDINGS_EVERY, broker_from_secret, finalized,
     gate_io::{self, QueueWatch},
+    migration::{self, Migrated},
     publish_for,
     status_writer::{last_written, write_policy_status},
 };
@@ -116,9 +117,18 @@ async fn broker_side(
     let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| deleted.is_empty()) {
         Some(outcome) => outcome,
         None => {
+            let migrated = migration::run(policy, plan, previous, &broker, ctx).await?;
+            if let Migrated::Stopped(check, state) = migrated {
+                let mut outcome = Outcome::blocked(check);
+                outcome.migration = Some(state);
+                return Ok((outcome, Some((broker, tracker)), events));
+            }
             let mode = pass::mode_for(plan, previous, generation);
             let bindings = previous.map(|s| s.applied_bindings.clone()).unwrap_or_default();
-            let outcome = converge::converge(plan, &broker, &bindings, mode).await;
+            let mut outcome = converge::converge(plan, &broker, &bindings, mode).await;
+            if let Migrated::Completed(state) = migrated {
+                outcome.migration = Some(state);
+            }
             remember(ctx, &me, generation, &outcome);
             if !deleted.is_empty() && mode == converge::Mode::Declare && outcome.queue.is_ok() {
                 events.push(EventSpec {

@@ -1,0 +1,193 @@
+//! A QueuePolicy's live queue change (`onChange: Migrate`): each step recorded in
+//! status.migration before it is taken, an Event per step, and the restart of the guarded
+//! workloads once the queue has its new shape, through their own rollout (the gate holds each
+//! old pod until a new one consumes from the new queue).
+
+use super::{Context, Error, publish_for, status_writer::write_policy_status};
+use crate::{
+    broker::Broker,
+    crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
+    events::{EventReason, EventSpec},
+    gate::index::ObjectKey,
+    migrate::{
+        self, Target,
+        run::{Ended, Journal, migrate},
+    },
+    names::RESTARTED_AT,
+    plan::QueuePlan,
+    status::{Check, Reason, with_migration},
+    workload::{Kind, WorkloadKey, rollout::Rollout},
+};
+use k8s_openapi::{
+    api::apps::v1::{Deployment, StatefulSet},
+    apimachinery::pkg::apis::meta::v1::Time,
+    jiff::Timestamp,
+};
+use kube::{
+    Api,
+    api::{Patch, PatchParams},
+};
+use serde_json::json;
+
+/// What a pass's migration left for the rest of the pass.
+pub(super) enum Migrated {
+    /// Nothing under way: converge as usual (the migration, if any, as status says).
+    Idle,
+    /// It finished in this pass.
+    Completed(MigrationStatus),
+    /// It cannot go on now: the queue is left to the next pass (or to a changed spec).
+    Stopped(Check, MigrationStatus),
+}
+
+/// Records each step in status.migration (and an Event) before it is taken.
+struct StatusJournal<'a> {
+    policy: &'a QueuePolicy,
+    stored: Option<QueuePolicyStatus>,
+    ctx: &'a Context,
+}
+
+impl StatusJournal<'_> {
+    async fn write(&mut self, m: &MigrationStatus) -> Result<(), Error> {
+        let status = with_migration(self.stored.as_ref(), m, self.policy.metadata.generation, Timestamp::now());
+        write_policy_status(self.policy, self.stored.as_ref(), status.clone(), self.ctx).await?;
+        self.stored = Some(status);
+        publish_for(self.policy, &self.ctx.shared, &event(m)).await;
+        Ok(())
+    }
+}
+
+impl Journal for StatusJournal<'_> {
+    async fn record(&mut self, state: &MigrationStatus) -> Result<(), String> {
+        self.write(state).await.map_err(|e| e.to_string())
+    }
+}
+
+fn event(m: &MigrationStatus) -> EventSpec {
+    let (warning, reason) = match m.phase {
+        MigrationPhase::Completed => (false, Reason::MigrationCompleted),
+        MigrationPhase::Refused => (true, Reason::MigrationRefused),
+        _ => (false, Reason::Migrating),
+    };
+    EventSpec {
+        warning,
+        reason: EventReason::Condition(reason),
+        action: "MigrateQueue",
+        note: format!("{} ({}): {}", m.queue, m.phase.as_str(), m.message),
+    }
+}
+
+/// Migrates the dead-letter queue, then the queue, when their shapes differ from the plan's
+/// and the policy says Migrate; resumes one that stopped.
+pub(super) async fn run(
+    policy: &QueuePolicy,
+    plan: &QueuePlan,
+    previous: Option<&QueuePolicyStatus>,
+    broker: &Broker,
+    ctx: &Context,
+) -> Result<Migrated, Error> {
+    let recorded = previous.and_then(|s| s.migration.as_ref());
+    let restart_pending = recorded.filter(|m| m.phase == MigrationPhase::RestartingConsumers);
+    if plan.on_change != OnChange::Migrate && restart_pending.is_none() {
+        return Ok(Migrated::Idle);
+    }
+    let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx };
+    let mut moved = restart_pending.cloned();
+    if plan.on_change == OnChange::Migrate {
+        for target in [Target::of_dead_letter_queue(plan), Target::of_queue(plan)] {
+            let resumed = journal.stored.as_ref().and_then(|s| s.migration.clone());
+            match migrate(broker, &target, resumed.as_ref(), &mut journal).await {
+                Ok(Ended::NotNeeded) => {}
+                Ok(Ended::Moved(state)) => moved = Some(state),
+                Err(e) => return stopped(&mut journal, &target, resumed, e).await,
+            }
+        }
+    }
+    let Some(mut state) = moved else { return Ok(Migrated::Idle) };
+
+    state.phase = MigrationPhase::RestartingConsumers;
+    let guarded = ctx.gate.read(|index| index.guarded(&ObjectKey::of(policy)));
+    if plan.gate.is_some() && !guarded.is_empty() {
+        state.message = format!(
+            "restarting {} so its consumers attach to the new queue; the gate holds each old pod until a new one has",
+            describe(&guarded)
+        );
+        journal.write(&state).await?;
+        let stamp = state.started_at.as_ref().map_or_else(|| Timestamp::now().to_string(), |t| t.0.to_string());
+        for workload in &guarded {
+            restart(ctx, workload, &stamp).await?;
+        }
+        state.consumers_restarted = Some(true);
+        state.message = format!("queue '{}' is now {}; restarted {}", state.queue, state.to, describe(&guarded));
+    } else {
+        state.consumers_restarted = Some(false);
+        state.message = format!(
+            "queue '{}' is now {}; its consumers were cancelled by the swap and must be restarted (name them in spec.consumers for the operator to restart them through their rollout)",
+            state.queue, state.to
+        );
+    }
+    state.phase = MigrationPhase::Completed;
+    state.finished_at = Some(Time(Timestamp::now()));
+    journal.write(&state).await?;
+    Ok(Migrated::Completed(state))
+}
+
+/// A migration that could not go on: refused ones are recorded as such (nothing was touched);
+/// others keep their step, for the next pass to resume.
+async fn stopped(
+    journal: &mut StatusJournal<'_>,
+    target: &Target,
+    resumed: Option<MigrationStatus>,
+    error: migrate::Error,
+) -> Result<Migrated, Error> {
+    let message = error.to_string();
+    match error {
+        migrate::Error::Refused(_) => {
+            let state = MigrationStatus {
+                phase: MigrationPhase::Refused,
+                queue: target.queue.clone(),
+                to: target.shape().describe(),
+                message: message.clone(),
+                ..Default::default()
+            };
+            let unchanged = resumed.as_ref().is_some_and(|r| r.phase == state.phase && r.message == state.message);
+            if !unchanged {
+                journal.write(&state).await?;
+            }
+            Ok(Migrated::Stopped(Check::failed(Reason::MigrationRefused, message), state))
+        }
+        _ => {
+            let mut state = journal.stored.as_ref().and_then(|s| s.migration.clone()).unwrap_or_default();
+            state.message = format!("stopped at {}: {message}; the next pass resumes it", state.phase.as_str());
+            Ok(Migrated::Stopped(Check::failed(Reason::MigrationFailed, message), state))
+        }
+    }
+}
+
+fn describe(workloads: &[WorkloadKey]) -> String {
+    workloads.iter().map(|w| format!("{} '{}'", w.kind.as_str(), w.name)).collect::<Vec<_>>().join(", ")
+}
+
+/// `kubectl rollout restart`, with the operator's own annotation: the same value again (a
+/// resumed pass) changes nothing.
+async fn restart(ctx: &Context, workload: &WorkloadKey, stamp: &str) -> Result<(), Error> {
+    let patch = json!({"spec": {"template": {"metadata": {"annotations": {RESTARTED_AT: stamp}}}}});
+    let params = PatchParams::default();
+    let client = ctx.shared.client.clone();
+    let (ns, name) = (workload.namespace.as_str(), workload.name.as_str());
+    let result = match workload.kind {
+        Kind::Deployment => {
+            Api::<Deployment>::namespaced(client, ns).patch(name, &params, &Patch::Merge(&patch)).await.map(drop)
+        }
+        Kind::StatefulSet => {
+            Api::<StatefulSet>::namespaced(client, ns).patch(name, &params, &Patch::Merge(&patch)).await.map(drop)
+        }
+        Kind::Rollout => {
+            Api::<Rollout>::namespaced(client, ns).patch(name, &params, &Patch::Merge(&patch)).await.map(drop)
+        }
+    };
+    match result {
+        // Gone since: nothing of it to restart.
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        other => Ok(other?),
+    }
+}
