@@ -42,10 +42,11 @@ pub const RULES: &[Rule] = &[
     rule("queueguard.io", "queuepatterns", &["get", "list", "watch", "patch"]),
     rule("queueguard.io", "queuepatterns/status", &["patch"]),
     // The consumer workloads: watched; Deployments and Argo Rollouts patched to a safe strategy
-    // (StatefulSets never are); the webhook reads one's labels when a policy picks workloads by
+    // (StatefulSets never are), any of them restarted after its queue was migrated (a pod
+    // template annotation); the webhook reads one's labels when a policy picks workloads by
     // label.
     rule("apps", "deployments", &["get", "list", "watch", "patch"]),
-    rule("apps", "statefulsets", &["get", "list", "watch"]),
+    rule("apps", "statefulsets", &["get", "list", "watch", "patch"]),
     rule("argoproj.io", "rollouts", &["get", "list", "watch", "patch"]),
     // ReplicaSets: their owner only (metadata), which leads a pod to its Deployment or Rollout;
     // the webhook reads a new pod's.

@@ -469,7 +469,7 @@ mod admission_policy {
     fn policies() -> Vec<(String, Vec<String>, Vec<String>)> {
         let docs = render(None, &[]);
         let found = of_kind(&docs, "ValidatingAdmissionPolicy");
-        assert_eq!(found.len(), 4, "on by default");
+        assert_eq!(found.len(), 5, "on by default");
         let bindings = of_kind(&docs, "ValidatingAdmissionPolicyBinding");
         found
             .iter()
@@ -540,6 +540,7 @@ mod admission_policy {
             "queueguard.io/deployment",
             "queueguard.io/statefulset",
             "queueguard.io/rollout",
+            "queueguard.io/restartedAt",
         ]
         .iter()
         .fold(expression.to_owned(), |e, key| e.replace(&format!("'{key}'"), &format!("'{}'", escape(key))))
@@ -585,6 +586,55 @@ mod admission_policy {
         let mut bare_safe = bare.clone();
         bare_safe["spec"]["strategy"] = json!({"type": "RollingUpdate"});
         assert!(admits("strategy-only", OPERATOR, "UPDATE", bare_safe, Some(bare)));
+    }
+
+    /// The restart after a queue migration: the one template annotation, on any guarded kind.
+    fn restarted(workload: &Value, stamp: &str) -> Value {
+        let mut w = workload.clone();
+        w["spec"]["template"]["metadata"]["annotations"]["queueguard.io/restartedAt"] = json!(stamp);
+        w
+    }
+
+    #[test]
+    fn the_operator_may_restart_a_workload_through_its_template_annotation_and_change_nothing_else_there() {
+        let stateful = json!({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": "worker", "namespace": "shop", "labels": {"app": "worker"}},
+            "spec": {"replicas": 3, "serviceName": "worker", "selector": {"matchLabels": {"app": "worker"}},
+                     "updateStrategy": {"type": "RollingUpdate"},
+                     "template": {"metadata": {"labels": {"app": "worker"}, "annotations": {"team": "shop"}},
+                                  "spec": {"containers": [{"name": "w", "image": "worker:1"}]}}},
+        });
+        let rollout = json!({
+            "apiVersion": "argoproj.io/v1alpha1", "kind": "Rollout",
+            "metadata": {"name": "worker", "namespace": "shop"},
+            "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "worker"}}, "strategy": {"canary": {}},
+                     "template": {"metadata": {"labels": {"app": "worker"}}, "spec": {"containers": [{"name": "w"}]}}},
+        });
+        for (policy, old) in
+            [("strategy-only", worker()), ("rollout-strategy", rollout), ("statefulset-restart-only", stateful)]
+        {
+            let first = restarted(&old, "2026-12-06T19:00:00Z");
+            assert!(
+                admits(policy, OPERATOR, "UPDATE", first.clone(), Some(old.clone())),
+                "{policy}: the first restart"
+            );
+            let again = restarted(&first, "2026-12-07T08:00:00Z");
+            assert!(admits(policy, OPERATOR, "UPDATE", again, Some(first.clone())), "{policy}: a later one");
+            let mut other = first.clone();
+            other["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/inject"] = json!("false");
+            assert!(!admits(policy, OPERATOR, "UPDATE", other, Some(old.clone())), "{policy}: another annotation");
+            let mut label = first.clone();
+            label["spec"]["template"]["metadata"]["labels"]["app"] = json!("evil");
+            assert!(!admits(policy, OPERATOR, "UPDATE", label, Some(old.clone())), "{policy}: a template label");
+            let mut image = first.clone();
+            image["spec"]["template"]["spec"]["containers"][0]["image"] = json!("evil:1");
+            assert!(!admits(policy, OPERATOR, "UPDATE", image.clone(), Some(old.clone())), "{policy}: an image");
+            let mut scaled = first.clone();
+            scaled["spec"]["replicas"] = json!(0);
+            assert!(!admits(policy, OPERATOR, "UPDATE", scaled, Some(old.clone())), "{policy}: replicas");
+            assert!(admits(policy, "kubernetes-admin", "UPDATE", image, Some(old)), "{policy}: not the operator's");
+        }
     }
 
     #[test]
