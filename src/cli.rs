@@ -48,6 +48,13 @@ pub enum Command {
     /// each resulting status as YAML. Exit 0 when all are Ready, 1 when any is not, 2 when the
     /// input cannot be read.
     Apply(ApplyArgs),
+    /// Change a queue's type live, for a queue no QueuePolicy manages yet: its exchange routes and
+    /// messages move to a holding queue, it is deleted and declared again as --to, and routes and
+    /// messages move back, with publisher confirms throughout. Keeps its other arguments (those
+    /// the new type does not take are named and left behind). Exit 0 when the queue has the new
+    /// type, 1 when the migration was refused or stopped (run it again to resume), 2 when the
+    /// input is wrong.
+    Migrate(MigrateArgs),
     /// List a queue's consumers (tag, peer host, connection name, prefetch, ack mode, since), the
     /// same live view the rollout gate uses; --watch streams attach and detach as JSON lines.
     Consumers(ConsumersArgs),
@@ -246,6 +253,38 @@ pub struct ConsumersArgs {
 }
 
 #[derive(clap::Args, Debug)]
+pub struct MigrateArgs {
+    /// Queue name.
+    pub queue: String,
+    /// The type it becomes.
+    #[arg(long, value_enum)]
+    pub to: TargetType,
+    /// Virtual host (default: the broker URI's).
+    #[arg(long)]
+    pub vhost: Option<String>,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Print the plan and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TargetType {
+    Classic,
+    Quorum,
+}
+
+impl From<TargetType> for crate::crd::QueueType {
+    fn from(t: TargetType) -> Self {
+        match t {
+            TargetType::Classic => Self::Classic,
+            TargetType::Quorum => Self::Quorum,
+        }
+    }
+}
+
+#[derive(clap::Args, Debug)]
 pub struct RunArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "QUEUEGUARD_NAMESPACE")]
@@ -404,6 +443,7 @@ pub fn main() -> ExitCode {
             }
             Command::Apply(args) => apply(args).await,
             Command::Consumers(args) => consumers(args).await,
+            Command::Migrate(args) => migrate_queue(args).await,
             Command::Demo(args) => demo(args).await,
             Command::Check(args) => check(args),
             Command::Status(args) => status(args).await,
@@ -499,6 +539,81 @@ async fn apply(args: ApplyArgs) -> ExitCode {
         print!("{}", local::render(r));
     }
     if results.iter().all(|r| r.ready) { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+async fn migrate_queue(args: MigrateArgs) -> ExitCode {
+    use crate::migrate::{
+        Shape, Target, plan_text, refusal,
+        run::{Ended, migrate},
+    };
+    let uri = match args.broker.uri() {
+        Ok(uri) => uri,
+        Err(e) => {
+            eprintln!("error: --broker {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let uri = match &args.vhost {
+        Some(vhost) => uri.with_vhost(vhost),
+        None => uri,
+    };
+    let pool = BrokerPool::new("queueguard-migrate");
+    let broker = match pool.get(uri, None) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let vhost = broker.vhost().to_owned();
+    let current = match broker.management.queue(&vhost, &args.queue).await {
+        Ok(Some(q)) => Shape::of(&q),
+        Ok(None) => {
+            eprintln!("error: queue '{}' not found in vhost '{vhost}'", args.queue);
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let (target, dropped) = Target::converted(&args.queue, &current, args.to.into());
+    let flags = match broker.management.feature_flags().await {
+        Ok(flags) => flags,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let refused = refusal(&current, &target, flags.as_deref());
+    print!("{}", plan_text(&vhost, &current, &target, &dropped, refused.as_deref()));
+    if refused.is_some() {
+        return ExitCode::from(1);
+    }
+    if args.dry_run {
+        return ExitCode::SUCCESS;
+    }
+    match migrate(&broker, &target, None, &mut local::Told).await {
+        Ok(Ended::NotNeeded) => ExitCode::SUCCESS,
+        Ok(Ended::Moved(state)) => {
+            let ms = |v: Option<i64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"));
+            println!(
+                "migrated: moved out {}, moved back {}, swap window {}, publishes refused for {}, dropped at the swap {}",
+                state.moved_out,
+                state.moved_back,
+                ms(state.swap_window_millis),
+                ms(state.fenced_millis),
+                state.dropped_at_swap.unwrap_or_default()
+            );
+            println!("restart the queue's consumers: the swap cancelled them");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            eprintln!("run the same command again to resume where it stopped");
+            ExitCode::from(1)
+        }
+    }
 }
 
 async fn consumers(args: ConsumersArgs) -> ExitCode {

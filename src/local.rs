@@ -2,11 +2,12 @@
 //! manifests, with no cluster, and print each resulting status.
 
 use crate::{
-    broker::{BrokerCredentials, BrokerPool},
+    broker::{Broker, BrokerCredentials, BrokerPool},
     converge::{self, Mode},
-    crd::{QueuePolicy, QueuePolicyStatus},
+    crd::{MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
+    migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
     pass,
-    plan::{self, Limits},
+    plan::{self, Limits, QueuePlan},
     secret,
     status::{Check, Outcome, Reason, next_status},
 };
@@ -126,8 +127,24 @@ pub async fn apply(
                 match creds.and_then(|c| pass::broker_for_plan(pool, &plan, &c)) {
                     Err(check) => Outcome::blocked(check),
                     Ok(broker) => {
-                        let previous = policy.status.as_ref().map(|s| s.applied_bindings.clone()).unwrap_or_default();
-                        converge::converge(&plan, &broker, &previous, Mode::Declare).await
+                        let migration = match plan.on_change {
+                            OnChange::Migrate => migrated(&plan, &broker, policy.status.as_ref()).await,
+                            OnChange::Refuse => Ok(None),
+                        };
+                        match migration {
+                            Err((check, state)) => {
+                                let mut outcome = Outcome::blocked(check);
+                                outcome.migration = Some(state);
+                                outcome
+                            }
+                            Ok(migration) => {
+                                let previous =
+                                    policy.status.as_ref().map(|s| s.applied_bindings.clone()).unwrap_or_default();
+                                let mut outcome = converge::converge(&plan, &broker, &previous, Mode::Declare).await;
+                                outcome.migration = migration;
+                                outcome
+                            }
+                        }
                     }
                 }
             }
@@ -137,6 +154,32 @@ pub async fn apply(
         results.push(Applied { namespace, name, status, ready });
     }
     results
+}
+
+/// `onChange: Migrate` in local mode: the same migration as the operator's, each step told on
+/// stderr; nobody restarts the consumers, so the completed state says they must be.
+async fn migrated(
+    plan: &QueuePlan,
+    broker: &Broker,
+    status: Option<&QueuePolicyStatus>,
+) -> Result<Option<MigrationStatus>, (Check, MigrationStatus)> {
+    let previous = status.and_then(|s| s.migration.as_ref());
+    match migrate_policy(broker, plan, previous, &mut Told).await {
+        Ok(PolicyMigration::NotNeeded) => Ok(None),
+        Ok(PolicyMigration::Moved(state)) => Ok(Some(completed(state, None))),
+        Ok(PolicyMigration::Stopped(check, state)) => Err((check, state)),
+        Err(e) => Err((Check::failed(Reason::MigrationFailed, e.to_string()), previous.cloned().unwrap_or_default())),
+    }
+}
+
+/// Tells each step on stderr before it is taken.
+pub struct Told;
+
+impl Journal for Told {
+    async fn record(&mut self, state: &MigrationStatus) -> Result<(), String> {
+        eprintln!("queue '{}': {}: {}", state.queue, state.phase.as_str(), state.message);
+        Ok(())
+    }
 }
 
 fn credentials_in(manifest: &Manifest, namespace: &str, secret_name: &str) -> Result<BrokerCredentials, Check> {

@@ -193,3 +193,118 @@ fn crd_prints_the_committed_crd_and_help_explains_each_command() {
     let apply_help = String::from_utf8(queueguard(&["apply", "--help"], None).stdout).unwrap();
     assert!(apply_help.contains("--broker") && apply_help.contains("--management") && apply_help.contains("Exit 0"));
 }
+
+/// A durable queue declared as an application would, with `messages` in it.
+fn app_queue(name: &str, arguments: lapin::types::FieldTable, messages: usize) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_c, ch) = app().await;
+        let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+        ch.queue_declare(name.into(), durable, arguments).await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        for i in 0..messages {
+            let body = format!("m-{i}");
+            let sent =
+                ch.basic_publish("".into(), name.into(), Default::default(), body.as_bytes(), Default::default());
+            sent.await.unwrap().await.unwrap();
+        }
+    });
+}
+
+fn queue_of(name: &str) -> serde_json::Value {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(mgmt_get(&format!("queues/%2F/{}", enc(name)))).expect("the queue exists")
+}
+
+fn remove_queue(name: &str) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_c, ch) = app().await;
+        let _ = ch.queue_delete(name.into(), Default::default()).await;
+    });
+}
+
+#[test]
+fn migrate_prints_the_plan_on_a_dry_run_then_moves_the_queue_and_its_messages() {
+    let name = unique("cli-migrate");
+    let mut arguments = lapin::types::FieldTable::default();
+    arguments.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(1000));
+    arguments.insert("x-queue-mode".into(), lapin::types::AMQPValue::LongString("lazy".into()));
+    app_queue(&name, arguments, 25);
+
+    let out = queueguard(&["migrate", &name, "--to", "quorum", "--dry-run"], None);
+    let plan = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{plan}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(plan.contains("classic {x-max-length: 1000, x-queue-mode: lazy} → quorum {x-max-length: 1000}"), "{plan}");
+    assert!(plan.contains("left behind (quorum queues do not take them): x-queue-mode"), "{plan}");
+    assert_eq!(queue_of(&name)["type"], "classic", "a dry run changes nothing");
+
+    let out = queueguard(&["migrate", &name, "--to", "quorum"], None);
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{said}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("migrated: moved out 25, moved back 25"), "{said}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Swapping"), "each step is told");
+    let q = queue_of(&name);
+    assert_eq!((q["type"].as_str(), q["arguments"]["x-max-length"].as_i64()), (Some("quorum"), Some(1000)));
+    let ready = eventually_value(|| queue_of(&name)["messages_ready"].as_i64());
+    assert_eq!(ready, Some(25), "every message is in the new queue");
+
+    let again = queueguard(&["migrate", &name, "--to", "quorum"], None);
+    assert_eq!(again.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&again.stdout).contains("nothing to do"));
+    remove_queue(&name);
+}
+
+/// The management API's statistics lag: the value once it is there (up to 15 s).
+fn eventually_value(read: impl Fn() -> Option<i64>) -> Option<i64> {
+    for _ in 0..75 {
+        if let Some(v) = read().filter(|v| *v > 0) {
+            return Some(v);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    read()
+}
+
+#[test]
+fn migrate_refuses_what_the_new_type_cannot_take_and_a_missing_queue_touching_nothing() {
+    let name = unique("cli-migrate-priority");
+    let mut arguments = lapin::types::FieldTable::default();
+    arguments.insert("x-max-priority".into(), lapin::types::AMQPValue::LongInt(5));
+    app_queue(&name, arguments, 3);
+    let out = queueguard(&["migrate", &name, "--to", "quorum"], None);
+    assert_eq!(out.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("refused:") && said.contains("priority"), "{said}");
+    assert_eq!(queue_of(&name)["type"], "classic");
+    assert!(
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(mgmt_get(&format!("queues/%2F/{}", enc(&format!("{name}.queueguard-migrating")))))
+            .is_none(),
+        "no holding queue"
+    );
+    remove_queue(&name);
+
+    let out = queueguard(&["migrate", &unique("cli-migrate-none"), "--to", "quorum"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not found in vhost '/'"));
+}
+
+#[test]
+fn apply_with_migrate_changes_the_type_and_says_the_consumers_must_be_restarted() {
+    let name = unique("cli-apply-migrate");
+    assert_eq!(queueguard(&["apply", "-f", "-"], Some(&manifest(&name, "{type: classic}"))).status.code(), Some(0));
+    let refused = queueguard(&["apply", "-f", "-"], Some(&manifest(&name, "{type: quorum}")));
+    assert_eq!(refused.status.code(), Some(1), "Refuse, the default, keeps today's conflict");
+    let out = queueguard(&["apply", "-f", "-"], Some(&manifest(&name, "{type: quorum, onChange: Migrate}")));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = statuses(&out);
+    assert_eq!(s[0]["migration"]["phase"], "Completed");
+    assert!(s[0]["migration"]["message"].as_str().unwrap().contains("must be restarted"));
+    assert_eq!(condition(&s[0], "Migrating")["reason"], "MigrationCompleted");
+    assert_eq!(queue_of(&name)["type"], "quorum");
+    assert_eq!(queue_of(&format!("{name}.dlq"))["type"], "quorum");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(remove_all(&plan_of(&policy(&name, "{type: quorum}"))));
+}

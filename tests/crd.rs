@@ -141,7 +141,7 @@ fn reserved_queue_names_are_refused() {
 }
 
 #[test]
-fn queue_name_vhost_broker_and_type_are_immutable() {
+fn queue_name_vhost_and_broker_are_immutable_and_the_type_changes_only_by_migration() {
     let old = policy(base_spec());
     let renamed = with(&["queue", "name"], json!("orders-v2"));
     assert_eq!(
@@ -160,8 +160,12 @@ fn queue_name_vhost_broker_and_type_are_immutable() {
     let quorum = with(&["queue", "type"], json!("quorum"));
     assert_eq!(
         rejections(&quorum, Some(&old)),
-        ["spec.queue.type is immutable: the broker cannot convert an existing queue"]
+        [
+            "spec.queue.type can only change with onChange: Migrate: the broker cannot convert an existing queue, so queueguard moves it live"
+        ]
     );
+    let migrated = with(&["queue"], json!({"name": "orders", "type": "quorum", "onChange": "Migrate"}));
+    assert!(rejections(&migrated, Some(&old)).is_empty(), "a type change with onChange: Migrate is admitted");
     let ttl = with(&["queue", "expires"], json!("2h"));
     assert!(rejections(&ttl, Some(&old)).is_empty(), "settings stay changeable");
 }

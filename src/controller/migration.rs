@@ -9,10 +9,7 @@ use crate::{
     crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
     events::{EventReason, EventSpec},
     gate::index::ObjectKey,
-    migrate::{
-        self, Target,
-        run::{Ended, Journal, migrate},
-    },
+    migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
     names::RESTARTED_AT,
     plan::QueuePlan,
     status::{Check, Reason, with_migration},
@@ -20,7 +17,6 @@ use crate::{
 };
 use k8s_openapi::{
     api::apps::v1::{Deployment, StatefulSet},
-    apimachinery::pkg::apis::meta::v1::Time,
     jiff::Timestamp,
 };
 use kube::{
@@ -93,20 +89,21 @@ pub(super) async fn run(
     let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx };
     let mut moved = restart_pending.cloned();
     if plan.on_change == OnChange::Migrate {
-        for target in [Target::of_dead_letter_queue(plan), Target::of_queue(plan)] {
-            let resumed = journal.stored.as_ref().and_then(|s| s.migration.clone());
-            match migrate(broker, &target, resumed.as_ref(), &mut journal).await {
-                Ok(Ended::NotNeeded) => {}
-                Ok(Ended::Moved(state)) => moved = Some(state),
-                Err(e) => return stopped(&mut journal, &target, resumed, e).await,
+        match migrate_policy(broker, plan, recorded, &mut journal).await {
+            Ok(PolicyMigration::NotNeeded) => {}
+            Ok(PolicyMigration::Moved(state)) => moved = Some(state),
+            Ok(PolicyMigration::Stopped(check, state)) => return Ok(Migrated::Stopped(check, state)),
+            Err(e) => {
+                let state = journal.stored.as_ref().and_then(|s| s.migration.clone()).unwrap_or_default();
+                return Ok(Migrated::Stopped(Check::failed(Reason::MigrationFailed, e.to_string()), state));
             }
         }
     }
     let Some(mut state) = moved else { return Ok(Migrated::Idle) };
 
-    state.phase = MigrationPhase::RestartingConsumers;
     let guarded = ctx.gate.read(|index| index.guarded(&ObjectKey::of(policy)));
-    if plan.gate.is_some() && !guarded.is_empty() {
+    let restarted = if plan.gate.is_some() && !guarded.is_empty() {
+        state.phase = MigrationPhase::RestartingConsumers;
         state.message = format!(
             "restarting {} so its consumers attach to the new queue; the gate holds each old pod until a new one has",
             describe(&guarded)
@@ -116,51 +113,13 @@ pub(super) async fn run(
         for workload in &guarded {
             restart(ctx, workload, &stamp).await?;
         }
-        state.consumers_restarted = Some(true);
-        state.message = format!("queue '{}' is now {}; restarted {}", state.queue, state.to, describe(&guarded));
+        Some(describe(&guarded))
     } else {
-        state.consumers_restarted = Some(false);
-        state.message = format!(
-            "queue '{}' is now {}; its consumers were cancelled by the swap and must be restarted (name them in spec.consumers for the operator to restart them through their rollout)",
-            state.queue, state.to
-        );
-    }
-    state.phase = MigrationPhase::Completed;
-    state.finished_at = Some(Time(Timestamp::now()));
+        None
+    };
+    let state = completed(state, restarted.as_deref());
     journal.write(&state).await?;
     Ok(Migrated::Completed(state))
-}
-
-/// A migration that could not go on: refused ones are recorded as such (nothing was touched);
-/// others keep their step, for the next pass to resume.
-async fn stopped(
-    journal: &mut StatusJournal<'_>,
-    target: &Target,
-    resumed: Option<MigrationStatus>,
-    error: migrate::Error,
-) -> Result<Migrated, Error> {
-    let message = error.to_string();
-    match error {
-        migrate::Error::Refused(_) => {
-            let state = MigrationStatus {
-                phase: MigrationPhase::Refused,
-                queue: target.queue.clone(),
-                to: target.shape().describe(),
-                message: message.clone(),
-                ..Default::default()
-            };
-            let unchanged = resumed.as_ref().is_some_and(|r| r.phase == state.phase && r.message == state.message);
-            if !unchanged {
-                journal.write(&state).await?;
-            }
-            Ok(Migrated::Stopped(Check::failed(Reason::MigrationRefused, message), state))
-        }
-        _ => {
-            let mut state = journal.stored.as_ref().and_then(|s| s.migration.clone()).unwrap_or_default();
-            state.message = format!("stopped at {}: {message}; the next pass resumes it", state.phase.as_str());
-            Ok(Migrated::Stopped(Check::failed(Reason::MigrationFailed, message), state))
-        }
-    }
 }
 
 fn describe(workloads: &[WorkloadKey]) -> String {

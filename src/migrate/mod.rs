@@ -278,6 +278,44 @@ pub fn fence_name(queue: &str) -> String {
     format!("queueguard-fence.{queue}")
 }
 
+/// What `queueguard migrate` will do (or, with --dry-run, would), in words: from and to, the
+/// arguments the new type does not take, why it cannot go ahead, or the steps.
+pub fn plan_text(vhost: &str, current: &Shape, target: &Target, dropped: &[String], refused: Option<&str>) -> String {
+    let queue = &target.queue;
+    let mut lines =
+        vec![format!("queue '{queue}' in vhost '{vhost}': {} → {}", current.describe(), target.shape().describe())];
+    if !dropped.is_empty() {
+        lines.push(format!(
+            "  left behind ({} queues do not take them): {}",
+            target.queue_type.as_str(),
+            dropped.join(", ")
+        ));
+    }
+    if let Some(why) = refused {
+        lines.push(format!("  refused: {why}"));
+        return lines.join("\n") + "\n";
+    }
+    if differences(current, target).is_empty() {
+        lines.push("  nothing to do: the queue has that shape".into());
+        return lines.join("\n") + "\n";
+    }
+    let holding = holding_name(queue);
+    lines.extend([
+        format!(
+            "  1. declare '{holding}' ({}) and move the exchange routes of '{queue}' to it",
+            target.queue_type.as_str()
+        ),
+        format!("  2. move the messages of '{queue}' into it (publisher confirms; acknowledged once confirmed)"),
+        format!(
+            "  3. refuse publishes to '{queue}' for a moment (a policy), delete it once empty and declare it {}",
+            target.queue_type.as_str()
+        ),
+        format!("  4. move the routes and the messages back, and delete '{holding}'"),
+        "  then restart the consumers: the swap cancels them, and clients that do not consume again sit idle".into(),
+    ]);
+    lines.join("\n") + "\n"
+}
+
 /// Where a migration stands, read from the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resume {

@@ -9,6 +9,8 @@ use crate::{
         refusal::{NOT_FOUND, PRECONDITION_FAILED},
     },
     crd::{MigrationPhase, MigrationStatus, QueueType},
+    plan::QueuePlan,
+    status::{Check, Reason},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use lapin::{
@@ -376,5 +378,87 @@ fn amqp_value(v: &Value) -> AMQPValue {
             AMQPValue::FieldArray(FieldArray::from(items.iter().map(amqp_value).collect::<Vec<_>>()))
         }
         Value::Object(map) => AMQPValue::FieldTable(field_table(map)),
+    }
+}
+
+/// Where a QueuePolicy's migration got in one pass.
+#[derive(Debug)]
+pub enum PolicyMigration {
+    /// Both queues have their target shape.
+    NotNeeded,
+    /// A queue was moved (the last one's state, phase RestartingConsumers, not recorded yet).
+    Moved(MigrationStatus),
+    /// It cannot go on now: why, and the state to show (a refusal was recorded; a failure keeps
+    /// the step it stopped at, for the next pass to resume).
+    Stopped(Check, MigrationStatus),
+}
+
+/// Migrates a QueuePolicy's dead-letter queue, then its queue, where their shapes differ from
+/// the plan's; `previous` is the last recorded state.
+pub async fn migrate_policy<J: Journal + Send>(
+    broker: &Broker,
+    plan: &QueuePlan,
+    previous: Option<&MigrationStatus>,
+    journal: &mut J,
+) -> Result<PolicyMigration, Error> {
+    let mut tracked = Tracked { inner: journal, last: previous.cloned() };
+    let mut moved = None;
+    for target in [Target::of_dead_letter_queue(plan), Target::of_queue(plan)] {
+        let resumed = tracked.last.clone();
+        match migrate(broker, &target, resumed.as_ref(), &mut tracked).await {
+            Ok(Ended::NotNeeded) => {}
+            Ok(Ended::Moved(state)) => moved = Some(state),
+            Err(Error::Refused(why)) => {
+                let state = MigrationStatus {
+                    phase: MigrationPhase::Refused,
+                    queue: target.queue.clone(),
+                    to: target.shape().describe(),
+                    message: why.clone(),
+                    ..Default::default()
+                };
+                let told = resumed.as_ref().is_some_and(|r| r.phase == state.phase && r.message == state.message);
+                if !told {
+                    tracked.record(&state).await.map_err(|detail| Error::NotRecorded { phase: "Refused", detail })?;
+                }
+                return Ok(PolicyMigration::Stopped(Check::failed(Reason::MigrationRefused, why), state));
+            }
+            Err(e @ Error::NotRecorded { .. }) => return Err(e),
+            Err(e) => {
+                let mut state = tracked.last.clone().unwrap_or_default();
+                state.message = format!("stopped at {}: {e}; the next pass resumes it", state.phase.as_str());
+                return Ok(PolicyMigration::Stopped(Check::failed(Reason::MigrationFailed, e.to_string()), state));
+            }
+        }
+    }
+    Ok(moved.map_or(PolicyMigration::NotNeeded, PolicyMigration::Moved))
+}
+
+/// A moved queue's state once its consumers were restarted (`restarted` names what was), or
+/// when nobody can restart them: they were cancelled by the swap, so status says so.
+pub fn completed(mut state: MigrationStatus, restarted: Option<&str>) -> MigrationStatus {
+    state.phase = MigrationPhase::Completed;
+    state.finished_at = Some(Time(Timestamp::now()));
+    state.consumers_restarted = Some(restarted.is_some());
+    state.message = match restarted {
+        Some(what) => format!("queue '{}' is now {}; restarted {what}", state.queue, state.to),
+        None => format!(
+            "queue '{}' is now {}; its consumers were cancelled by the swap and must be restarted (name them in spec.consumers for the operator to restart them through their rollout)",
+            state.queue, state.to
+        ),
+    };
+    state
+}
+
+/// A journal that remembers the last state recorded through it.
+struct Tracked<'a, J> {
+    inner: &'a mut J,
+    last: Option<MigrationStatus>,
+}
+
+impl<J: Journal + Send> Journal for Tracked<'_, J> {
+    async fn record(&mut self, state: &MigrationStatus) -> Result<(), String> {
+        self.inner.record(state).await?;
+        self.last = Some(state.clone());
+        Ok(())
     }
 }

@@ -129,3 +129,25 @@ fn the_fence_refuses_publishes_unless_a_declared_overflow_would_drop_instead() {
     assert!(fence("q", &shape("quorum", json!({"x-overflow": "reject-publish-dlx"}))).is_some());
     assert_eq!(fence("q", &shape("classic", json!({"x-overflow": "drop-head"}))), None);
 }
+
+#[test]
+fn the_plan_says_from_and_to_what_is_left_behind_and_the_steps() {
+    let current = shape("classic", json!({"x-max-length": 10, "x-queue-mode": "lazy"}));
+    let (target, dropped) = Target::converted("orders", &current, QueueType::Quorum);
+    assert_eq!(dropped, ["x-queue-mode"]);
+    let text = plan_text("/", &current, &target, &dropped, None);
+    assert!(
+        text.starts_with(
+            "queue 'orders' in vhost '/': classic {x-max-length: 10, x-queue-mode: lazy} → quorum {x-max-length: 10}\n"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("left behind (quorum queues do not take them): x-queue-mode"), "{text}");
+    assert!(text.contains("declare 'orders.queueguard-migrating' (quorum)"), "{text}");
+    assert!(text.contains("restart the consumers"), "{text}");
+
+    let refused = plan_text("/", &current, &target, &dropped, Some("no"));
+    assert!(refused.ends_with("  refused: no\n") && !refused.contains("declare"), "{refused}");
+    let same = shape("quorum", json!({"x-max-length": 10}));
+    assert!(plan_text("/", &same, &target, &[], None).contains("nothing to do"));
+}
