@@ -120,7 +120,7 @@ async fn preload(queue: &str, ids: &[String]) {
 
 fn moved(ended: Ended) -> MigrationStatus {
     match ended {
-        Ended::Moved(state) => state,
+        Ended::Moved(state) => *state,
         Ended::NotNeeded => panic!("the migration had nothing to do"),
     }
 }

@@ -42,7 +42,7 @@ pub enum Ended {
     NotNeeded,
     /// The queue has its new shape, its routes and its messages; the state is not recorded yet
     /// (its phase is RestartingConsumers: the caller restarts them, or says they must be).
-    Moved(MigrationStatus),
+    Moved(Box<MigrationStatus>),
 }
 
 /// A whole migration of `target.queue` on `broker` (in the broker's vhost), resumed where the
@@ -107,7 +107,7 @@ pub async fn migrate<J: Journal>(
     let mut state = step.state;
     state.phase = MigrationPhase::RestartingConsumers;
     state.message = format!("queue '{}' is now {}", target.queue, state.to);
-    Ok(Ended::Moved(state))
+    Ok(Ended::Moved(Box::new(state)))
 }
 
 struct Step<'a, J> {
@@ -407,7 +407,7 @@ pub async fn migrate_policy<J: Journal + Send>(
         let resumed = tracked.last.clone();
         match migrate(broker, &target, resumed.as_ref(), &mut tracked).await {
             Ok(Ended::NotNeeded) => {}
-            Ok(Ended::Moved(state)) => moved = Some(state),
+            Ok(Ended::Moved(state)) => moved = Some(*state),
             Err(Error::Refused(why)) => {
                 let state = MigrationStatus {
                     phase: MigrationPhase::Refused,
