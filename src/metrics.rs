@@ -103,6 +103,8 @@ pub struct Metrics {
     rollout_phase: Family<PhaseLabels, Gauge>,
     gate_wait: HistogramFamily<PolicyLabels>,
     findings: Family<FindingLabels, Gauge>,
+    migration_moved: Family<PolicyLabels, Counter>,
+    migration_started: Family<PolicyLabels, Gauge>,
     pattern_queues: Family<PatternLabels, Gauge>,
     pattern_orphaned: Family<PatternLabels, Gauge>,
     pattern_created: Family<PatternLabels, Counter>,
@@ -192,6 +194,18 @@ impl Default for Metrics {
             "1 while a consumer hygiene finding (label finding) is seen on the policy's queue",
             &findings,
         );
+        let migration_moved = Family::default();
+        families.add(
+            "migration_messages_moved",
+            "Messages a live queue migration moved (out to the holding queue and back), each with a publisher confirm",
+            &migration_moved,
+        );
+        let migration_started = Family::default();
+        families.add(
+            "migration_started_timestamp_seconds",
+            "When the policy's queue migration under way started (Unix seconds); no series when none is",
+            &migration_started,
+        );
         let pattern_queues = Family::default();
         families.add("pattern_queues", "Queues matching a QueuePattern", &pattern_queues);
         let pattern_orphaned = Family::default();
@@ -232,6 +246,8 @@ impl Default for Metrics {
             rollout_phase,
             gate_wait,
             findings,
+            migration_moved,
+            migration_started,
             pattern_queues,
             pattern_orphaned,
             pattern_created,
@@ -329,7 +345,30 @@ impl Metrics {
     }
 
     /// A deleted policy's series go with it.
+    /// A migration's recorded state: the messages moved since the state before (`before`), and
+    /// its start while it is under way.
+    pub fn record_migration(
+        &self,
+        policy: &PolicyLabels,
+        before: Option<&crate::crd::MigrationStatus>,
+        now: &crate::crd::MigrationStatus,
+    ) {
+        let moved = |m: &crate::crd::MigrationStatus| m.moved_out + m.moved_back;
+        let earlier = before.filter(|b| b.queue == now.queue && b.started_at == now.started_at).map_or(0, moved);
+        if let Ok(more) = u64::try_from(moved(now) - earlier)
+            && more > 0
+        {
+            self.migration_moved.get_or_create(policy).inc_by(more);
+        }
+        match now.started_at.as_ref().filter(|_| now.phase < crate::crd::MigrationPhase::Completed) {
+            Some(at) => drop(self.migration_started.get_or_create(policy).set(at.0.as_second())),
+            None => drop(self.migration_started.remove(policy)),
+        }
+    }
+
     pub fn forget(&self, policy: &PolicyLabels) {
+        self.migration_started.remove(policy);
+        self.migration_moved.remove(policy);
         self.forget_gate(policy);
         self.forget_reconciles(policy);
         self.gate_wait.remove(policy);

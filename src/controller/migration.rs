@@ -9,6 +9,7 @@ use crate::{
     crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
     events::{EventReason, EventSpec},
     gate::index::ObjectKey,
+    metrics::PolicyLabels,
     migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
     names::RESTARTED_AT,
     plan::QueuePlan,
@@ -20,7 +21,7 @@ use k8s_openapi::{
     jiff::Timestamp,
 };
 use kube::{
-    Api,
+    Api, ResourceExt,
     api::{Patch, PatchParams},
 };
 use serde_json::json;
@@ -45,6 +46,9 @@ struct StatusJournal<'a> {
 impl StatusJournal<'_> {
     async fn write(&mut self, m: &MigrationStatus) -> Result<(), Error> {
         let status = with_migration(self.stored.as_ref(), m, self.policy.metadata.generation, Timestamp::now());
+        let labels = PolicyLabels { namespace: self.policy.namespace().unwrap_or_default(), policy: self.policy.name_any() };
+        let before = self.stored.as_ref().and_then(|s| s.migration.as_ref());
+        self.ctx.shared.metrics.record_migration(&labels, before, m);
         write_policy_status(self.policy, self.stored.as_ref(), status.clone(), self.ctx).await?;
         self.stored = Some(status);
         publish_for(self.policy, &self.ctx.shared, &event(m)).await;

@@ -178,6 +178,10 @@ async fn report(
     let labels = PolicyLabels { namespace: policy.namespace().unwrap_or_default(), policy: policy.name_any() };
     ctx.shared.metrics.record_outcome(&labels, outcome);
     let status = next_status(previous, outcome, policy.metadata.generation, Timestamp::now());
+    // Also after a restart of the operator, while a migration it recorded is under way.
+    if let Some(m) = &status.migration {
+        ctx.shared.metrics.record_migration(&labels, Some(m), m);
+    }
     write_policy_status(policy, previous, status, ctx).await?;
     for event in events {
         publish_for(policy, &ctx.shared, event).await;
