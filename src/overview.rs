@@ -4,7 +4,7 @@
 //! reads the cluster.
 
 use crate::{
-    crd::{QueuePolicy, RolloutPhase},
+    crd::{MigrationPhase, QueuePolicy, RolloutPhase},
     gate::guards::Selects,
     status::{self, ConditionType},
 };
@@ -42,6 +42,20 @@ pub struct Row {
     pub expected: Option<i32>,
     pub rollout: Option<RolloutPhase>,
     pub waiting: Vec<Waiting>,
+    /// A queue migration under way, or refused (a completed one is not shown).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub migration: Option<Migration>,
+}
+
+/// A queue migration's step and counts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Migration {
+    pub queue: String,
+    pub phase: MigrationPhase,
+    pub moved_out: i64,
+    pub moved_back: i64,
+    pub message: String,
 }
 
 /// A pod held back by the gate.
@@ -89,6 +103,13 @@ pub fn row(p: &QueuePolicy) -> Row {
                 waiting_for: w.waiting_for.clone(),
             })
             .collect(),
+        migration: status.migration.as_ref().filter(|m| m.phase != MigrationPhase::Completed).map(|m| Migration {
+            queue: m.queue.clone(),
+            phase: m.phase,
+            moved_out: m.moved_out,
+            moved_back: m.moved_back,
+            message: m.message.clone(),
+        }),
     }
 }
 
@@ -138,6 +159,16 @@ pub fn table(rows: &[Row], now: Timestamp) -> String {
     let mut out = line(&header);
     for (r, c) in rows.iter().zip(&cells) {
         out += &line(c);
+        if let Some(m) = &r.migration {
+            out += &format!(
+                "  migrating {}: {}, moved out {}, moved back {}: {}\n",
+                m.queue,
+                m.phase.as_str(),
+                m.moved_out,
+                m.moved_back,
+                m.message
+            );
+        }
         for w in &r.waiting {
             let since = w.since.map(|s| format!(" for {}", ago(now, s))).unwrap_or_default();
             let queues = if w.waiting_for.is_empty() { "its consumer".to_owned() } else { w.waiting_for.join(", ") };
@@ -190,6 +221,7 @@ status:
     phase: WaitingForAttach
     waitingPods:
       - {name: order-worker-7d9-x2, since: "2026-12-05T10:00:00Z", waitingFor: [orders-v2, billing]}
+  migration: {phase: Draining, queue: orders-v2, movedOut: 1200, movedBack: 0, message: "moving the messages of 'orders-v2' into 'orders-v2.queueguard-migrating'"}
 "#;
 
     #[test]
@@ -210,6 +242,7 @@ NAMESPACE   POLICY    QUEUE       WORKLOAD                  READY               
 ops         audit     audit       -                         Unknown                  -       -         -           -
 shop        billing   billing     -                         False (SecretNotFound)   -       -         -           -
 shop        orders    orders-v2   Deployment/order-worker   True                     12      3         1/2         WaitingForAttach
+  migrating orders-v2: Draining, moved out 1200, moved back 0: moving the messages of 'orders-v2' into 'orders-v2.queueguard-migrating'
   pod order-worker-7d9-x2 waits for 42s for orders-v2, billing
 "
         );
@@ -219,7 +252,9 @@ shop        orders    orders-v2   Deployment/order-worker   True                
             serde_json::json!({
                 "namespace": "shop", "policy": "orders", "queue": "orders-v2", "workload": "Deployment/order-worker", "ready": "True",
                 "depth": 12, "unacknowledged": 3, "attached": 1, "expected": 2, "rollout": "WaitingForAttach",
-                "waiting": [{"pod": "order-worker-7d9-x2", "since": "2026-12-05T10:00:00Z", "waitingFor": ["orders-v2", "billing"]}]
+                "waiting": [{"pod": "order-worker-7d9-x2", "since": "2026-12-05T10:00:00Z", "waitingFor": ["orders-v2", "billing"]}],
+                "migration": {"queue": "orders-v2", "phase": "Draining", "movedOut": 1200, "movedBack": 0,
+                              "message": "moving the messages of 'orders-v2' into 'orders-v2.queueguard-migrating'"}
             })
         );
         assert_eq!(table(&[], now), "No QueuePolicies found.\n");

@@ -46,7 +46,8 @@ struct StatusJournal<'a> {
 impl StatusJournal<'_> {
     async fn write(&mut self, m: &MigrationStatus) -> Result<(), Error> {
         let status = with_migration(self.stored.as_ref(), m, self.policy.metadata.generation, Timestamp::now());
-        let labels = PolicyLabels { namespace: self.policy.namespace().unwrap_or_default(), policy: self.policy.name_any() };
+        let labels =
+            PolicyLabels { namespace: self.policy.namespace().unwrap_or_default(), policy: self.policy.name_any() };
         let before = self.stored.as_ref().and_then(|s| s.migration.as_ref());
         self.ctx.shared.metrics.record_migration(&labels, before, m);
         write_policy_status(self.policy, self.stored.as_ref(), status.clone(), self.ctx).await?;
