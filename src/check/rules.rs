@@ -5,7 +5,7 @@
 
 use super::{Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity, WorkloadDoc};
 use crate::{
-    crd::{API_VERSION, GateMode, QueuePolicy, QueueType},
+    crd::{API_VERSION, GateMode, OnChange, QueuePolicy, QueueType},
     duration::Human,
     gate::guards,
     names::GATE_CONDITION,
@@ -960,12 +960,20 @@ fn classic_queue_on_cluster(f: &Facts) -> Vec<Finding> {
     for p in f.planned.iter().filter(|p| p.plan.queue_type == QueueType::Classic) {
         let secret = (p.doc.id.namespace.clone(), p.plan.secret_name.clone());
         let Some(nodes) = f.manifests.broker_nodes.get(&secret).filter(|n| n.len() > 1) else { continue };
+        let change = match p.plan.on_change {
+            OnChange::Refuse => {
+                "set queue.type: quorum and queue.onChange: Migrate in one change: the operator then moves the queue live, with its bindings and messages (`queueguard migrate QUEUE --to quorum` does it for a queue no policy manages yet)"
+            }
+            OnChange::Migrate => {
+                "set queue.type: quorum: onChange: Migrate moves the queue live, with its bindings and messages"
+            }
+        };
         out.push(finding(
             Rule::ClassicQueueOnCluster,
             Severity::Warning,
             &p.doc.id,
             format!(
-                "queue '{}' is a classic queue, and Secret '{}' names {} broker nodes ({}): a classic queue lives on one node, and while that node is down the queue is gone (404) with its messages, publishes to it are dropped, and its consumers on other nodes are cancelled. Set queue.type: quorum for messages that must survive a node (a queue cannot change type in place: a new queue name, or delete and declare again, empty). A cluster also needs the rabbitmq_event_exchange plugin on every node, or the operator polls for that node's consumers.",
+                "queue '{}' is a classic queue, and Secret '{}' names {} broker nodes ({}): a classic queue lives on one node, and while that node is down the queue is gone (404) with its messages, publishes to it are dropped, and its consumers on other nodes are cancelled. For messages that must survive a node, {change}. A cluster also needs the rabbitmq_event_exchange plugin on every node, or the operator polls for that node's consumers.",
                 p.plan.queue,
                 p.plan.secret_name,
                 nodes.len(),
@@ -1578,7 +1586,13 @@ mod tests {
         let f = only(&(three.clone() + &classic), Rule::ClassicQueueOnCluster);
         assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
         assert!(f.message.contains("names 3 broker nodes (rmq-0:5672, rmq-1:5672, rmq-2:5672)"), "{}", f.message);
-        assert!(f.message.contains("queue.type: quorum") && f.message.contains("rabbitmq_event_exchange"));
+        assert!(
+            f.message.contains("queue.type: quorum and queue.onChange: Migrate")
+                && f.message.contains("rabbitmq_event_exchange")
+        );
+        let migrating = policy("orders", "{name: orders, onChange: Migrate}", "");
+        let f = only(&(three.clone() + &migrating), Rule::ClassicQueueOnCluster);
+        assert!(f.message.contains("set queue.type: quorum: onChange: Migrate moves the queue live"), "{}", f.message);
         assert!(!f.message.contains("hunter2"), "nothing of the URI is read");
         // The same from base64 data.
         let encoded = secret("data: {addresses: cm1xLTA6NTY3MixybXEtMTo1Njcy}");
