@@ -22,12 +22,12 @@ run_tests() {
 
 run_tests "$@"
 # The broker tests again against RabbitMQ 4.0 (Debian 13's package, in a cached root beside the
-# machine's 3.10): declarations, consumers, findings, patterns and rollouts.
+# machine's 3.10): declarations, consumers, findings, patterns, rollouts and migrations.
 scripts/rabbitmq4.sh start
 trap 'scripts/rabbitmq4.sh stop >/dev/null 2>&1 || true' EXIT
 (
   eval "$(scripts/rabbitmq4.sh env)"
-  run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout
+  run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout --test migrate
 )
 scripts/rabbitmq4.sh stop
 # Alone and one at a time, because they kill and restart the cluster's nodes.

@@ -41,6 +41,9 @@ pub struct Traffic {
     consuming: Arc<AtomicBool>,
     publishers: Vec<tokio::task::JoinHandle<()>>,
     consumers: Vec<tokio::task::JoinHandle<()>>,
+    uri: String,
+    queue: String,
+    consumer_count: usize,
 }
 
 /// A message published (confirmed) and never consumed.
@@ -84,7 +87,16 @@ impl Traffic {
         counts.published.lock().unwrap().extend(preloaded.into_iter().map(|id| (id, None)));
         let publishing = Arc::new(AtomicBool::new(true));
         let consuming = Arc::new(AtomicBool::new(true));
-        let mut traffic = Self { counts, publishing, consuming, publishers: Vec::new(), consumers: Vec::new() };
+        let mut traffic = Self {
+            counts,
+            publishing,
+            consuming,
+            publishers: Vec::new(),
+            consumers: Vec::new(),
+            uri: uri.to_owned(),
+            queue: queue.to_owned(),
+            consumer_count: consumers,
+        };
         for route in routes {
             let conn = connect(uri, "qgt-publisher").await;
             let (counts, running, route) = (traffic.counts.clone(), traffic.publishing.clone(), route.clone());
@@ -96,6 +108,22 @@ impl Traffic {
             traffic.consumers.push(tokio::spawn(async move { consume(conn, queue, counts, running).await }));
         }
         traffic
+    }
+
+    /// Stops the consumers and starts new ones, as the operator's restart of the consumer
+    /// workload does after a migration: a consumer that re-consumed while the old queue was
+    /// being deleted can be left attached to nothing, idle.
+    pub async fn restart_consumers(&mut self) {
+        self.consuming.store(false, Ordering::SeqCst);
+        for c in self.consumers.drain(..) {
+            c.await.unwrap();
+        }
+        self.consuming.store(true, Ordering::SeqCst);
+        for i in 0..self.consumer_count {
+            let conn = connect(&self.uri, &format!("qgt-consumer-{i}")).await;
+            let (counts, running, queue) = (self.counts.clone(), self.consuming.clone(), self.queue.clone());
+            self.consumers.push(tokio::spawn(async move { consume(conn, queue, counts, running).await }));
+        }
     }
 
     pub fn published(&self) -> usize {
@@ -184,33 +212,39 @@ async fn publish(conn: Connection, route: Route, every: Duration, counts: Arc<Co
     let _ = conn.close(200, "done".into()).await;
 }
 
+/// A broker call with a deadline; None when it passed.
+async fn within<T>(call: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::time::timeout(Duration::from_secs(5), call).await.ok()
+}
+
 async fn consume(conn: Connection, queue: String, counts: Arc<Counts>, running: Arc<AtomicBool>) {
+    // Every call has a deadline, as a careful client's: a consume sent while the old queue is
+    // being deleted may never be answered (seen on RabbitMQ 4.0).
     while running.load(Ordering::SeqCst) {
-        let Ok(ch) = conn.create_channel().await else { break };
-        let _ = ch.basic_qos(20, BasicQosOptions::default()).await;
+        let Some(Ok(ch)) = within(conn.create_channel()).await else { break };
+        let _ = within(ch.basic_qos(20, BasicQosOptions::default())).await;
         // The queue may be missing for a moment (the swap): the refusal closes the channel.
-        let Ok(mut deliveries) = ch
-            .basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
-            .await
-        else {
+        let consumed =
+            ch.basic_consume(queue.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default());
+        let Some(Ok(mut deliveries)) = within(consumed).await else {
+            let _ = within(ch.close(200, "again".into())).await;
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
-        loop {
+        while running.load(Ordering::SeqCst) {
             let next = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await;
             match next {
                 Ok(Some(Ok(d))) => {
                     let id = d.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
                     *counts.consumed.lock().unwrap().entry(id).or_default() += 1;
-                    let _ = d.acker.ack(BasicAckOptions::default()).await;
+                    let _ = within(d.acker.ack(BasicAckOptions::default())).await;
                 }
                 // Cancelled by the broker (its queue was deleted), or the channel failed.
                 Ok(Some(Err(_)) | None) => break,
-                Err(_) if !running.load(Ordering::SeqCst) => break,
-                Err(_) => {}
+                Err(_idle) => {}
             }
         }
-        let _ = ch.close(200, "again".into()).await;
+        let _ = within(ch.close(200, "again".into())).await;
     }
-    let _ = conn.close(200, "done".into()).await;
+    let _ = within(conn.close(200, "done".into())).await;
 }
