@@ -393,3 +393,78 @@ async fn a_rolling_restart_of_the_broker_during_consumer_rollouts_loses_nothing(
         "a pod whose consumer had attached waited {slowest:?} for its gate (statistics lag {STATS_LAG:?})"
     );
 }
+
+/// Remembers the steps recorded.
+#[derive(Default)]
+struct Steps(Vec<queueguard::crd::MigrationPhase>);
+
+impl queueguard::migrate::run::Journal for Steps {
+    async fn record(&mut self, state: &queueguard::crd::MigrationStatus) -> Result<(), String> {
+        self.0.push(state.phase);
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_classic_queue_becomes_a_quorum_queue_on_every_node_with_its_messages() {
+    use queueguard::migrate::run::{PolicyMigration, migrate_policy};
+    let Some(cluster) = Cluster::from_env("a_classic_queue_becomes_a_quorum_queue_on_every_node_with_its_messages")
+    else {
+        return;
+    };
+    let name = unique("cluster-migrate");
+    let pool = BrokerPool::new(unique("cluster"));
+    let creds = cluster.credentials();
+    let classic = plan_of(&policy(&name, &format!("{{name: {name}}}")));
+    let broker = pass::broker_for_plan(&pool, &classic, &creds).unwrap();
+    assert!(converge::converge(&classic, &broker, &[], Mode::Declare).await.is_ready());
+    {
+        let (_c, ch) = cluster.app(1, "qgt-preload").await;
+        ch.confirm_select(Default::default()).await.unwrap();
+        for i in 0..2000 {
+            let body = format!("m-{i}");
+            ch.basic_publish("".into(), name.as_str().into(), Default::default(), body.as_bytes(), Default::default())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    }
+
+    let quorum = plan_of(&policy(&name, &format!("{{name: {name}, type: quorum, onChange: Migrate}}")));
+    let mut steps = Steps::default();
+    let migrated = migrate_policy(&broker, &quorum, None, &mut steps).await.unwrap();
+    let PolicyMigration::Moved(state) = migrated else { panic!("not moved: {migrated:?}") };
+    assert_eq!((state.moved_out, state.moved_back), (2000, 2000));
+    eprintln!(
+        "3-node cluster, classic → quorum, 2000 messages: swap window {:?} ms, fenced {:?} ms",
+        state.swap_window_millis, state.fenced_millis
+    );
+    assert!(converge::converge(&quorum, &broker, &[], Mode::Declare).await.is_ready());
+
+    let info = broker.management.queue("/", &name).await.unwrap().unwrap();
+    assert_eq!(info.queue_type.as_deref(), Some("quorum"));
+    let (_c, ch) = cluster.app(2, "qgt-count").await;
+    let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+    let counted = ch.queue_declare(name.as_str().into(), passive, FieldTable::default()).await.unwrap();
+    assert_eq!(counted.message_count(), 2000, "every message is in the new queue, read from another node");
+    let members = eventually(Duration::from_secs(15), || async {
+        let q: serde_json::Value = reqwest_get(&cluster, &format!("queues/%2F/{}", enc(&name))).await;
+        q["members"].as_array().is_some_and(|m| m.len() == 3)
+    });
+    assert!(members.await, "a member on each of the three nodes");
+    cluster.delete_queue(&name).await;
+    cluster.delete_queue(&quorum.dead_letter_queue).await;
+}
+
+/// A management API read from the cluster's first node.
+async fn reqwest_get(cluster: &Cluster, path: &str) -> serde_json::Value {
+    let base = cluster.management.split(',').next().expect("a management endpoint");
+    let response = reqwest::Client::new()
+        .get(format!("{base}/api/{path}"))
+        .basic_auth("guest", Some("guest"))
+        .send()
+        .await
+        .expect("the management API answers");
+    response.json().await.unwrap_or_default()
+}

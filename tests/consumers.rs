@@ -568,10 +568,12 @@ async fn a_churn_of_connections_and_policies_leaves_the_tracker_as_it_was() {
         assert!(held.connections <= 100 && held.channels <= 100, "wave {wave}: {held:?}");
         assert_eq!((vhosts, watched), (1, 20), "wave {wave}");
         // Channel first, answered, then the connection (lapin's own close of a dropped channel
-        // would race the connection's).
+        // would race the connection's); the consumer only after its channel closed, or the
+        // cancel lapin sends for a dropped consumer races the close (and can cost the
+        // connection).
         futures::future::join_all(conns.into_iter().map(|(conn, ch, consumer)| async move {
-            drop(consumer);
             ch.close(200, "bye".into()).await.unwrap();
+            drop(consumer);
             conn.close(200, "bye".into()).await.unwrap();
         }))
         .await;
