@@ -4,7 +4,7 @@ use super::{Error, Resume, Shape, Target, fence, fence_name, holding_name, mover
 use crate::{
     broker::{
         Broker,
-        amqp::{AmqpError, OPERATION_TIMEOUT},
+        amqp::{AmqpError, OPERATION_TIMEOUT, PooledChannel},
         management::PolicyInfo,
         refusal::{NOT_FOUND, PRECONDITION_FAILED},
     },
@@ -243,11 +243,7 @@ impl<J: Journal> Step<'_, J> {
         let classic = current.is_none_or(|c| c.queue_type == "classic");
         for _ in 0..SWAP_ATTEMPTS {
             let ch = self.broker.amqp.channel().await?;
-            let ready = match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
-                Ok(q) => Some(q.message_count()),
-                Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => None,
-                Err(e) => return Err(e.into()),
-            };
+            let ready = ready_on(&ch, queue).await?;
             if !classic && ready > Some(0) {
                 self.state.moved_out += self.drain(queue, self.holding).await?;
                 continue;
@@ -299,11 +295,7 @@ impl<J: Journal> Step<'_, J> {
 /// Deletes a queue nothing routes to any more, once it is empty; a missing one is deleted.
 async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
     let ch = broker.amqp.channel().await?;
-    let ready = match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
-        Ok(q) => q.message_count(),
-        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => return Ok(0),
-        Err(e) => return Err(e.into()),
-    };
+    let Some(ready) = ready_on(&ch, queue).await? else { return Ok(0) };
     if ready > 0 {
         return Err(Error::Failed(format!(
             "holding queue '{queue}' still holds {ready} messages; moving them next pass"
@@ -323,11 +315,8 @@ async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
 /// no limits, so nothing moved into it is dropped or dead-lettered. One left by a migration to
 /// another shape (the spec changed midway) is kept as it is: it holds messages.
 async fn ensure_holding(broker: &Broker, holding: &str, target: &Target) -> Result<(), Error> {
-    let ch = broker.amqp.channel().await?;
-    match ch.run(ch.queue_declare(holding.into(), passive(), FieldTable::default())).await {
-        Ok(_) => return Ok(()),
-        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => {}
-        Err(e) => return Err(e.into()),
+    if ready_on(&broker.amqp.channel().await?, holding).await?.is_some() {
+        return Ok(());
     }
     let arguments = Map::from_iter([("x-queue-type".to_owned(), Value::from(target.queue_type.as_str()))]);
     let ch = broker.amqp.channel().await?;
@@ -350,6 +339,16 @@ fn describe(phase: MigrationPhase, queue: &str, holding: &str) -> String {
 
 fn durable() -> QueueDeclareOptions {
     QueueDeclareOptions { durable: true, ..Default::default() }
+}
+
+/// Ready messages in a queue, by passive declare on `ch`; None when there is no such queue (the
+/// refusal closes `ch`).
+async fn ready_on(ch: &PooledChannel<'_>, queue: &str) -> Result<Option<u32>, Error> {
+    match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
+        Ok(q) => Ok(Some(q.message_count())),
+        Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => Ok(None),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn passive() -> QueueDeclareOptions {
