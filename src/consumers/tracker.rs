@@ -648,9 +648,20 @@ async fn subscribe(tracker: &Weak<ConsumerTracker>) -> Result<Duration, Subscrib
             t.request_resync();
         }
     });
+    // Ends with the tracker: a tracker let go while no event comes would otherwise keep its
+    // connection open until the next one (on a quiet broker, for good).
+    let mut alive = t.snapshots.subscribe();
     drop(t);
     let mut ended = "the broker ended it".to_owned();
-    while let Some(delivery) = deliveries.next().await {
+    loop {
+        let delivery = tokio::select! {
+            delivery = deliveries.next() => delivery,
+            alive = alive.changed() => match alive {
+                Ok(()) => continue,
+                Err(_) => return Ok(subscribed.elapsed()),
+            },
+        };
+        let Some(delivery) = delivery else { break };
         let Some(t) = tracker.upgrade() else { return Ok(subscribed.elapsed()) };
         let delivery = match delivery {
             Ok(delivery) => delivery,
