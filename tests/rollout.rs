@@ -90,6 +90,49 @@ async fn guarded_canary_rollouts_lose_nothing() {
     assert!(report.fewest_consumers[0] >= 1 && report.longest_gate_wait.is_some(), "{report:?}");
 }
 
+/// The queue changes type (classic to quorum) under a guarded worker Deployment, then the
+/// operator's restart rolls the workload through the gate, then two more restarts: the worker
+/// keeps consuming throughout, and nothing published through the bound exchange is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_changed_live_under_a_guarded_deployment_loses_nothing() {
+    let scenario = Scenario { migrate: true, ..Scenario::new(true, 2, 3) };
+    let report = simulation::run(&scenario, &uri()).await.unwrap();
+    eprintln!("{}", simulation::table(std::slice::from_ref(&report)));
+    let migration = report.migration.as_ref().expect("the queue was migrated");
+    eprintln!("{}", migration.line());
+    assert!(migration.from.starts_with("classic") && migration.to.starts_with("quorum"), "{migration:?}");
+    assert_eq!(migration.queue_deletions, 1, "the swap deleted the old queue once: {migration:?}");
+    assert!(migration.swap_window_ms > 0 && migration.fenced_ms >= migration.swap_window_ms, "{migration:?}");
+    assert_eq!(report.restarts, 3, "the operator's restart and two more");
+    assert!(report.published > 200, "the publisher ran throughout: {report:?}");
+    assert_eq!((report.lost, report.consumed), (0, report.published), "{report:?}");
+    assert_eq!((report.queue_deletions, report.premature_opens), (0, 0), "{report:?}");
+}
+
+#[test]
+fn the_demo_migrate_command_prints_the_swap_and_exits_0() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_queueguard"))
+        .args(["demo", "--migrate", "--restarts", "1"])
+        .env("QUEUEGUARD_BROKER_URI", broker_uri())
+        .env("QUEUEGUARD_MANAGEMENT_URI", management_base())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let log = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{stdout}{log}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[1].starts_with("guarded, queue type changed live"), "{stdout}");
+    let lost: u64 = lines[1].split_whitespace().rev().nth(4).unwrap().parse().unwrap();
+    assert_eq!(lost, 0, "{stdout}");
+    assert!(lines[2].starts_with("queue type changed live: classic -> quorum") && lines[2].contains("swap window"));
+    // Each step of both queues (dead-letter queue first) is told before it is taken.
+    let steps: Vec<&str> =
+        log.lines().filter(|l| l.starts_with("queue '")).filter_map(|l| l.split(": ").nth(1)).collect();
+    let once = ["Preparing", "Draining", "Swapping", "Restoring", "Refilling"];
+    assert_eq!(steps, [&once[..], &once[..]].concat(), "{log}");
+    assert!(!log.contains("ERROR") && !log.contains("WARN"), "{log}");
+}
+
 #[test]
 fn the_demo_command_prints_both_scenarios_and_exits_0() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_queueguard"))

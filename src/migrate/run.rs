@@ -315,13 +315,15 @@ async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
 /// no limits, so nothing moved into it is dropped or dead-lettered. One left by a migration to
 /// another shape (the spec changed midway) is kept as it is: it holds messages.
 async fn ensure_holding(broker: &Broker, holding: &str, target: &Target) -> Result<(), Error> {
-    if ready_on(&broker.amqp.channel().await?, holding).await?.is_some() {
-        return Ok(());
-    }
     let arguments = Map::from_iter([("x-queue-type".to_owned(), Value::from(target.queue_type.as_str()))]);
     let ch = broker.amqp.channel().await?;
-    ch.run(ch.queue_declare(holding.into(), durable(), field_table(&arguments))).await?;
-    Ok(())
+    // Declared outright (a passive look first would cost a refused channel every time): the
+    // broker refuses it only where a holding queue of another shape exists.
+    match ch.run(ch.queue_declare(holding.into(), durable(), field_table(&arguments))).await {
+        Ok(_) => Ok(()),
+        Err(AmqpError::Refused(r)) if r.code == PRECONDITION_FAILED => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn describe(phase: MigrationPhase, queue: &str, holding: &str) -> String {

@@ -16,7 +16,7 @@ pub mod model;
 mod pod;
 mod report;
 
-pub use report::{Report, table};
+pub use report::{Migration, Report, table};
 
 use crate::{
     broker::{BrokerPool, uri::BrokerUri},
@@ -27,6 +27,8 @@ use crate::{
         guards::Selects,
         index::{BoundQueue, Consumers, GateIndex, ObjectKey, PolicyFacts, ReplicaSetFacts, Write},
     },
+    local::Told,
+    migrate::run::{PolicyMigration, migrate_policy},
     plan::{self, GatePlan, Limits},
     workload::{
         Judgement, Kind, Workload, WorkloadKey,
@@ -78,6 +80,11 @@ pub struct Scenario {
     pub until: Option<Arc<AtomicBool>>,
     /// The kind of workload the consumers run in.
     pub workload: Kind,
+    /// Guarded runs: after the first rollout, change the queues' type live (classic to quorum,
+    /// or back with `quorum`) as `onChange: Migrate` does, then restart the workload as the
+    /// operator does after the swap, before the restarts. Publishes go through `amq.direct`,
+    /// bound to each queue.
+    pub migrate: bool,
 }
 
 impl Scenario {
@@ -95,11 +102,16 @@ impl Scenario {
             quorum: false,
             until: None,
             workload: Kind::Deployment,
+            migrate: false,
         }
     }
 
     pub fn label(&self) -> String {
-        let label = if self.guarded { "guarded (queueguard gate)" } else { "auto-delete queue, no gate" };
+        let label = match (self.guarded, self.migrate) {
+            (true, true) => "guarded, queue type changed live",
+            (true, false) => "guarded (queueguard gate)",
+            (false, _) => "auto-delete queue, no gate",
+        };
         match self.workload {
             Kind::Deployment => label.to_owned(),
             kind => format!("{label}, {}", kind.as_str()),
@@ -141,7 +153,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     let guard = if s.guarded {
         let broker = pool.get(uri.clone(), None).map_err(|e| e.to_string())?;
         for queue in &queues {
-            let plan = plan::plan(&demo_policy(queue, s.quorum), Limits::default()).map_err(|e| plan::describe(&e))?;
+            let plan = demo_plan(queue, s.quorum, s.migrate)?;
             let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;
             if !outcome.is_ready() {
                 return Err(format!("queueguard could not declare the queue: {}", outcome.ready().message));
@@ -165,6 +177,7 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         strategy: None,
         canary: Canary::default(),
         tally: Arc::new(Tally::default()),
+        declare: pod::Declare::of(s),
         gate_waits: Vec::new(),
         gate_overheads: Vec::new(),
         premature: 0,
@@ -178,11 +191,29 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     sim.fewest = Some(vec![usize::MAX; keys.len()]);
     let published = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    // Through an exchange bound to each queue where the queues move: such a publish always has
+    // a route, to the old queue, the holding queue or the new one.
+    let exchange = if s.migrate && s.guarded { "amq.direct" } else { "" };
     let publisher =
-        tokio::spawn(publish(uri.clone(), queues.clone(), s.publish_every, published.clone(), stop.clone()));
+        tokio::spawn(publish(uri.clone(), exchange, queues.clone(), s.publish_every, published.clone(), stop.clone()));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut deletions = 0;
     let mut restarts = 0;
+    let mut migration = None;
+    if s.migrate && s.guarded {
+        // A second of traffic, so that the queues hold messages when they move.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let broker = pool.get(uri.clone(), None).map_err(|e| e.to_string())?;
+        let mut moved = migrate(&broker, &mut declared, s.quorum).await?;
+        // The operator's restart after the swap: a new revision, each old pod held until a new
+        // one reads the new queue.
+        sim.declare = if s.quorum { pod::Declare::Durable } else { pod::Declare::Quorum };
+        restarts += 1;
+        sim.revision += 1;
+        sim.roll().await?;
+        moved.queue_deletions = count_deletions(&mut changes, &keys);
+        migration = Some(moved);
+    }
     while restarts < s.restarts || s.until.as_ref().is_some_and(|until| !until.load(Ordering::SeqCst)) {
         restarts += 1;
         sim.revision += 1;
@@ -228,7 +259,35 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         longest_gate_wait: sim.gate_waits.iter().max().copied(),
         gate_overheads: sim.gate_overheads.clone(),
         premature_opens: sim.premature,
+        migration,
     })
+}
+
+/// Moves each guarded queue to the other type through [`migrate_policy`] (dead-letter queue,
+/// then queue), telling each step on stderr; `declared` becomes the new plans.
+async fn migrate(
+    broker: &crate::broker::Broker,
+    declared: &mut [plan::QueuePlan],
+    quorum: bool,
+) -> Result<Migration, String> {
+    let mut figures = Migration::default();
+    for plan in declared.iter_mut() {
+        let target = demo_plan(&plan.queue, !quorum, true)?;
+        let state = match migrate_policy(broker, &target, None, &mut Told).await {
+            Ok(PolicyMigration::Moved(state)) => state,
+            Ok(PolicyMigration::NotNeeded) => return Err(format!("queue '{}' did not need to move", plan.queue)),
+            Ok(PolicyMigration::Stopped(check, _)) => return Err(check.message),
+            Err(e) => return Err(e.to_string()),
+        };
+        figures.from = state.from.clone();
+        figures.to = state.to.clone();
+        figures.moved_out += state.moved_out;
+        figures.moved_back += state.moved_back;
+        figures.swap_window_ms = figures.swap_window_ms.max(state.swap_window_millis.unwrap_or_default());
+        figures.fenced_ms = figures.fenced_ms.max(state.fenced_millis.unwrap_or_default());
+        *plan = target;
+    }
+    Ok(figures)
 }
 
 /// The operator's gate for the simulated Deployment: its index with one policy per queue.
@@ -309,12 +368,20 @@ fn count_deletions(changes: &mut tokio::sync::broadcast::Receiver<Change>, keys:
     n
 }
 
-fn demo_policy(queue: &str, quorum: bool) -> crate::crd::QueuePolicy {
+/// The demo's QueuePolicy for `queue`; one that migrates is bound to `amq.direct` (routing key:
+/// the queue's name) and moves on a change of type.
+fn demo_plan(queue: &str, quorum: bool, migrates: bool) -> Result<plan::QueuePlan, String> {
     let kind = if quorum { "quorum" } else { "classic" };
+    let moves = if migrates {
+        format!(", onChange: Migrate, bindings: [{{exchange: amq.direct, routingKey: {queue:?}}}]")
+    } else {
+        String::new()
+    };
     let doc = format!(
-        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: demo, namespace: queueguard-demo}}\nspec:\n  broker: {{secretRef: {{name: demo}}}}\n  queue: {{name: {queue:?}, type: {kind}}}\n"
+        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: demo, namespace: queueguard-demo}}\nspec:\n  broker: {{secretRef: {{name: demo}}}}\n  queue: {{name: {queue:?}, type: {kind}{moves}}}\n"
     );
-    serde_yaml_ng::from_str(&doc).expect("the demo policy parses")
+    let policy = serde_yaml_ng::from_str(&doc).expect("the demo policy parses");
+    plan::plan(&policy, Limits::default()).map_err(|e| plan::describe(&e))
 }
 
 struct Sim {
@@ -332,6 +399,8 @@ struct Sim {
     /// The canary Rollout's strategy (Argo's defaults, 25% / 25%).
     canary: Canary,
     tally: Arc<Tally>,
+    /// How new pods declare their queues (the target type once the queues moved).
+    declare: pod::Declare,
     gate_waits: Vec<Duration>,
     /// Per opened gate: from its consumer attaching to the gate opening.
     gate_overheads: Vec<Duration>,
@@ -469,7 +538,7 @@ impl Sim {
             self.revision,
             &self.uri,
             &self.queues,
-            pod::Declare::of(&self.s),
+            self.declare,
             Duration::from_millis(boot),
             Duration::from_millis(attach),
             self.tally.clone(),
@@ -549,6 +618,7 @@ impl Sim {
 /// again, through the next node of a cluster, as a careful publisher does.
 async fn publish(
     uri: BrokerUri,
+    exchange: &'static str,
     queues: Vec<String>,
     every: Duration,
     published: Arc<AtomicU64>,
@@ -572,7 +642,7 @@ async fn publish(
                 continue;
             }
         };
-        let sent = publish_on(&conn, &queues, every, &mut seq, &published, &stop).await;
+        let sent = publish_on(&conn, exchange, &queues, every, &mut seq, &published, &stop).await;
         // Bounded like every broker wait here: a close-ok that never comes must not hold the run.
         let _ = pod::bounded(conn.close(200, "done".into())).await;
         if let Err(e) = sent {
@@ -586,6 +656,7 @@ async fn publish(
 
 async fn publish_on(
     conn: &Connection,
+    exchange: &str,
     queues: &[String],
     every: Duration,
     seq: &mut u64,
@@ -600,7 +671,7 @@ async fn publish_on(
         // A confirm that never comes (its node went down mid-flight) is a failure to retry.
         let confirm = pod::bounded(async {
             ch.basic_publish(
-                "".into(),
+                exchange.into(),
                 queue.as_str().into(),
                 BasicPublishOptions::default(),
                 body.as_bytes(),

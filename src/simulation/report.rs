@@ -29,6 +29,38 @@ pub struct Report {
     /// For each gate opened: the time from its pod's consumer attaching to the gate opening
     /// (minAttachedSeconds included).
     pub gate_overheads: Vec<Duration>,
+    /// The live change of the queues' type, where the scenario made one.
+    pub migration: Option<Migration>,
+}
+
+/// What changing the queues' type live cost, over every queue moved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Migration {
+    pub from: String,
+    pub to: String,
+    pub moved_out: i64,
+    pub moved_back: i64,
+    /// The longest a queue's name had no queue (delete to declare-ok), in ms.
+    pub swap_window_ms: i64,
+    /// The longest a queue refused publishes around its swap (publishers with confirms retried).
+    pub fenced_ms: i64,
+    /// `queue.deleted` events for the queues during the migration (one per queue: the swap).
+    pub queue_deletions: u64,
+}
+
+impl Migration {
+    pub fn line(&self) -> String {
+        format!(
+            "queue type changed live: {} -> {}; moved out {}, back {}; swap window {} ms, fenced {} ms; {} deletion(s) of the old queue",
+            self.from,
+            self.to,
+            self.moved_out,
+            self.moved_back,
+            self.swap_window_ms,
+            self.fenced_ms,
+            self.queue_deletions
+        )
+    }
 }
 
 pub fn table(reports: &[Report]) -> String {
@@ -94,6 +126,7 @@ mod tests {
             longest_gate_wait: Some(Duration::from_millis(850)),
             premature_opens: 0,
             gate_overheads: vec![],
+            migration: None,
         };
         let t = table(&[r.clone(), Report { scenario: "naive".into(), lost: 120, longest_gate_wait: None, ..r }]);
         let lines: Vec<&str> = t.lines().collect();
