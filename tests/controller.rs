@@ -1000,6 +1000,146 @@ async fn a_type_change_with_migrate_is_carried_out_step_by_step_in_status_and_ev
     remove_all(&plan_of(&after)).await;
 }
 
+/// With spec.consumers, the migration ends by restarting the guarded Deployment through its
+/// own rollout: after RestartingConsumers is recorded, one merge patch of the pod template's
+/// `queueguard.io/restartedAt` annotation (the migration's start, so a resumed pass sends the
+/// same value and changes nothing), then Completed, saying what was restarted. The next pass
+/// does not take the swap's deletion for one behind the operator's back, and an operator
+/// killed between the patch and Completed patches the same value again.
+#[tokio::test]
+async fn a_migration_restarts_the_guarded_deployment_then_completes() {
+    let name = unique("ctrl-migrate-restart");
+    let consumers = "consumers: {deployment: worker, minAttachedSeconds: 0}";
+    let before = with_finalizer(policy_doc(&name, &format!("queue: {{type: classic}}\n  {consumers}")));
+    let after =
+        with_finalizer(policy_doc(&name, &format!("queue: {{type: quorum, onChange: Migrate}}\n  {consumers}")));
+    declared(&before).await;
+    let (ctx, api) = guarded_harness(&after, &name).await;
+
+    let echo = serde_json::to_value(&after).unwrap();
+    let server = tokio::spawn(serve_migration_pass(api, echo, name.clone(), true));
+    run(after.clone(), ctx.clone()).await.unwrap();
+    let pass = server.await.unwrap();
+
+    let phases: Vec<String> = pass.statuses.iter().map(|s| phase_of(&s["migration"])).collect();
+    let mut expected: Vec<String> = Vec::new();
+    for queue in [format!("{name}.dlq"), name.clone()] {
+        for phase in ["Preparing", "Draining", "Swapping", "Restoring", "Refilling"] {
+            expected.push(format!("{queue} {phase}"));
+        }
+    }
+    expected.extend(["RestartingConsumers", "Completed", "Completed"].map(|p| format!("{name} {p}")));
+    assert_eq!(phases, expected, "each step recorded before it was taken, then the pass's status");
+    let stamp = pass.statuses[0]["migration"]["startedAt"].as_str().expect("the start is recorded").to_owned();
+    let restart = json!({"spec": {"template": {"metadata": {"annotations": {"queueguard.io/restartedAt": stamp}}}}});
+    assert_eq!(
+        pass.restarts,
+        vec![(format!("{name} RestartingConsumers"), restart.clone())],
+        "one restart of the Deployment, after the step was recorded"
+    );
+    let status = pass.statuses.last().unwrap();
+    let m = &status["migration"];
+    assert_eq!((m["phase"].as_str(), m["consumersRestarted"].as_bool()), (Some("Completed"), Some(true)), "{m}");
+    assert!(m["message"].as_str().unwrap().contains("restarted Deployment 'worker'"), "{m}");
+    assert_eq!(condition(status, "Migrating")["reason"], "MigrationCompleted");
+    assert!(!pass.events.contains(&"QueueRecreated".to_owned()), "{:?}", pass.events);
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
+    assert_eq!(q["type"], "quorum");
+
+    // The next pass: the swap's deletion of the old queue (seen by the tracker meanwhile) is
+    // the operator's own, not one behind its back: nothing is declared again, nothing told.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut next = after.clone();
+    next.status = Some(serde_json::from_value(status.clone()).unwrap());
+    let server =
+        tokio::spawn(serve_migration_pass(pass.api, serde_json::to_value(&next).unwrap(), name.clone(), false));
+    run(next, ctx).await.unwrap();
+    let quiet = server.await.unwrap();
+    assert!(!quiet.events.contains(&"QueueRecreated".to_owned()), "{:?}", quiet.events);
+    assert!(quiet.restarts.is_empty());
+
+    // An operator killed after the patch, before Completed was written: its successor resumes at
+    // the recorded RestartingConsumers and sends the same value (the rollout sees no change).
+    let restarting = pass.statuses.iter().find(|s| s["migration"]["phase"] == "RestartingConsumers").unwrap();
+    let mut resumed = after.clone();
+    resumed.status = Some(serde_json::from_value(restarting.clone()).unwrap());
+    let (ctx, api) = guarded_harness(&after, &name).await;
+    let server = tokio::spawn(serve_migration_pass(api, serde_json::to_value(&resumed).unwrap(), name.clone(), true));
+    run(resumed, ctx).await.unwrap();
+    let again = server.await.unwrap();
+    assert_eq!(again.restarts.iter().map(|(_, body)| body).collect::<Vec<_>>(), vec![&restart]);
+    assert_eq!(again.statuses.last().unwrap()["migration"]["phase"], "Completed");
+    remove_all(&plan_of(&after)).await;
+}
+
+/// A fresh operator whose watches hold the policy, the worker Deployment (safe strategy) and its
+/// pod, bound to the policy's queue.
+async fn guarded_harness(p: &QueuePolicy, queue: &str) -> (Arc<Context>, ApiServer) {
+    let (ctx, api) = harness();
+    let tracker = live_tracker(&ctx).await;
+    let safe =
+        worker_deployment(json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}));
+    watched(&ctx, &[p], &[safe], &[worker_pod(Some("True"))], &[]);
+    ctx.gate.bind(&ObjectKey::of(p), Ok(watch(&tracker, &queueguard::consumers::QueueKey::new("/", queue))));
+    (ctx, api)
+}
+
+/// What one pass of a migrating policy sent to the API.
+struct MigrationPass {
+    api: ApiServer,
+    /// Status writes, in order.
+    statuses: Vec<Value>,
+    /// Each patch of the Deployment, with the migration step recorded before it.
+    restarts: Vec<(String, Value)>,
+    /// Reasons of the policy's Events (a repeat patches its series).
+    events: Vec<String>,
+}
+
+fn phase_of(m: &Value) -> String {
+    format!("{} {}", m["queue"].as_str().unwrap_or_default(), m["phase"].as_str().unwrap_or_default())
+}
+
+/// Answers one pass's calls until none comes for a second (after the Secret read, when
+/// `fresh`): status writes echo `echo`, a Deployment patch answers the Deployment, the gate's own
+/// writes (the budget, the pod's condition, which closes while the queue is swapped) and Events
+/// echo their bodies.
+async fn serve_migration_pass(mut api: ApiServer, echo: Value, name: String, fresh: bool) -> MigrationPass {
+    if fresh {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+    }
+    let (mut statuses, mut restarts, mut events) = (Vec::new(), Vec::new(), Vec::new());
+    let mut names = std::collections::HashMap::new();
+    while let Some(call) = api.next(Duration::from_secs(1)).await {
+        let (method, path, body) = (call.method.clone(), call.path.clone(), call.body.clone());
+        if path == format!("{POLICIES}/{name}/status") {
+            statuses.push(body["status"].clone());
+            assert!(!body.to_string().contains("guest:guest"), "no credentials in status");
+            call.respond(StatusCode::OK, &echo);
+        } else if path == "/apis/apps/v1/namespaces/test/deployments/worker" {
+            assert_eq!((method.as_str(), call.content_type.as_str()), ("PATCH", "application/merge-patch+json"));
+            let step = statuses.last().map(|s: &Value| phase_of(&s["migration"])).unwrap_or_default();
+            restarts.push((step, body));
+            call.respond(StatusCode::OK, &worker_deployment(json!({"type": "RollingUpdate"})));
+        } else {
+            let gate_writes = ["/apis/events.k8s.io/", "/api/v1/namespaces/test/pods/", "/apis/policy/v1/"];
+            assert!(gate_writes.iter().any(|w| path.starts_with(w)), "{method} {path}");
+            if path.starts_with("/apis/events.k8s.io/") && body["regarding"]["kind"] != "Pod" {
+                let reason = if method == "POST" {
+                    let reason = body["reason"].as_str().unwrap_or_default().to_owned();
+                    names.insert(body["metadata"]["name"].as_str().unwrap_or_default().to_owned(), reason.clone());
+                    reason
+                } else {
+                    names.get(path.rsplit('/').next().unwrap()).cloned().unwrap_or_default()
+                };
+                events.push(reason);
+            }
+            let code = if method == "POST" { StatusCode::CREATED } else { StatusCode::OK };
+            call.respond(code, &body);
+        }
+    }
+    MigrationPass { api, statuses, restarts, events }
+}
+
 fn after_name(policy: &Value) -> String {
     policy["metadata"]["name"].as_str().unwrap().to_owned()
 }

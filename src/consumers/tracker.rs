@@ -47,6 +47,10 @@ pub const RESYNC_POLLING: Duration = Duration::from_secs(2);
 /// management API lists a new consumer after its statistics interval (5 s by default).
 pub const RESYNC_PENDING: Duration = Duration::from_secs(1);
 /// Wait before subscribing again after the plugin was found missing.
+/// How long a deletion the operator announced ([`ConsumerTracker::expect_deletion`]) is
+/// waited for: its event comes within milliseconds; without events, a snapshot sees it only if
+/// it falls into the swap's few milliseconds, so most such marks simply lapse.
+const EXPECTED_DELETION: Duration = Duration::from_secs(60);
 const PLUGIN_RETRY: Duration = Duration::from_secs(60);
 /// A subscription that lasted this long was healthy: when it ends, subscribe again at once.
 const STABLE_SUBSCRIPTION: Duration = Duration::from_secs(10);
@@ -142,6 +146,9 @@ pub struct ConsumerTracker {
     /// deletion noticed (whether the last snapshot saw them).
     watched: Mutex<HashMap<QueueKey, Watched>>,
     deleted: Mutex<HashSet<QueueKey>>,
+    /// Queues the operator itself is about to delete (a migration's swap), until when (ms):
+    /// their next deletion is not one behind its back.
+    expected: Mutex<HashMap<QueueKey, i64>>,
     nodes: Mutex<Nodes>,
     /// Wakes the node check early (the subscription was lost).
     node_check: Arc<Notify>,
@@ -199,6 +206,7 @@ impl ConsumerTracker {
             resync: Arc::default(),
             watched: Mutex::default(),
             deleted: Mutex::default(),
+            expected: Mutex::default(),
             nodes: Mutex::default(),
             node_check: Arc::default(),
         });
@@ -374,6 +382,16 @@ impl ConsumerTracker {
         lock(&self.deleted).remove(queue)
     }
 
+    /// The operator is about to delete `queue` itself (a migration swaps it for its new shape):
+    /// its next deletion seen within [`EXPECTED_DELETION`] is not reported by
+    /// [`Self::take_deleted`]. Subscribers still see it.
+    pub fn expect_deletion(&self, queue: &QueueKey) {
+        let now = now_ms();
+        let mut expected = lock(&self.expected);
+        expected.retain(|_, until| *until >= now);
+        expected.insert(queue.clone(), now + EXPECTED_DELETION.as_millis() as i64);
+    }
+
     /// Feeds one broker event through the registry and tells subscribers what changed.
     fn apply(&self, event: BrokerEvent) {
         let (changes, wanted) = {
@@ -392,7 +410,10 @@ impl ConsumerTracker {
             if let Change::QueueDeleted { queue } = &change
                 && lock(&self.watched).contains_key(queue)
             {
-                lock(&self.deleted).insert(queue.clone());
+                let expected = lock(&self.expected).remove(queue).is_some_and(|until| until >= now_ms());
+                if !expected {
+                    lock(&self.deleted).insert(queue.clone());
+                }
             }
             let _ = self.changes.send(change);
         }

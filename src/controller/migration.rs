@@ -6,6 +6,7 @@
 use super::{Context, Error, publish_for, status_writer::write_policy_status};
 use crate::{
     broker::Broker,
+    consumers::{ConsumerTracker, QueueKey},
     crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
     events::{EventReason, EventSpec},
     gate::index::ObjectKey,
@@ -18,6 +19,7 @@ use crate::{
 };
 use k8s_openapi::{
     api::apps::v1::{Deployment, StatefulSet},
+    apimachinery::pkg::apis::meta::v1::Time,
     jiff::Timestamp,
 };
 use kube::{
@@ -25,6 +27,7 @@ use kube::{
     api::{Patch, PatchParams},
 };
 use serde_json::json;
+use std::sync::Arc;
 
 /// What a pass's migration left for the rest of the pass.
 pub(super) enum Migrated {
@@ -41,10 +44,19 @@ struct StatusJournal<'a> {
     policy: &'a QueuePolicy,
     stored: Option<QueuePolicyStatus>,
     ctx: &'a Context,
+    /// Told of each swap before it is taken, so the next pass does not take the deletion of the
+    /// old queue for one behind the operator's back.
+    tracker: Option<Arc<ConsumerTracker>>,
+    vhost: &'a str,
 }
 
 impl StatusJournal<'_> {
     async fn write(&mut self, m: &MigrationStatus) -> Result<(), Error> {
+        if m.phase == MigrationPhase::Swapping
+            && let Some(tracker) = &self.tracker
+        {
+            tracker.expect_deletion(&QueueKey::new(self.vhost, &m.queue));
+        }
         let status = with_migration(self.stored.as_ref(), m, self.policy.metadata.generation, Timestamp::now());
         let labels =
             PolicyLabels { namespace: self.policy.namespace().unwrap_or_default(), policy: self.policy.name_any() };
@@ -91,7 +103,8 @@ pub(super) async fn run(
     if plan.on_change != OnChange::Migrate && restart_pending.is_none() {
         return Ok(Migrated::Idle);
     }
-    let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx };
+    let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
+    let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx, tracker, vhost: broker.vhost() };
     let mut moved = restart_pending.cloned();
     if plan.on_change == OnChange::Migrate {
         match migrate_policy(broker, plan, recorded, &mut journal).await {
@@ -114,7 +127,7 @@ pub(super) async fn run(
             describe(&guarded)
         );
         journal.write(&state).await?;
-        let stamp = state.started_at.as_ref().map_or_else(|| Timestamp::now().to_string(), |t| t.0.to_string());
+        let stamp = restart_stamp(&state);
         for workload in &guarded {
             restart(ctx, workload, &stamp).await?;
         }
@@ -125,6 +138,13 @@ pub(super) async fn run(
     let state = completed(state, restarted.as_deref());
     journal.write(&state).await?;
     Ok(Migrated::Completed(state))
+}
+
+/// The migration's start as status holds it (whole seconds): a resumed pass reads it back from
+/// status, and must patch the very same value so that the workload is not restarted twice.
+fn restart_stamp(state: &MigrationStatus) -> String {
+    let started = state.started_at.clone().unwrap_or_else(|| Time(Timestamp::now()));
+    serde_json::to_value(&started).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
 fn describe(workloads: &[WorkloadKey]) -> String {
@@ -153,5 +173,19 @@ async fn restart(ctx: &Context, workload: &WorkloadKey, stamp: &str) -> Result<(
         // Gone since: nothing of it to restart.
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
         other => Ok(other?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resumed_pass_restarts_with_the_same_stamp_as_the_first() {
+        let started: Timestamp = "2026-12-06T22:09:23.780323182Z".parse().unwrap();
+        let first = MigrationStatus { started_at: Some(Time(started)), ..Default::default() };
+        let resumed: MigrationStatus = serde_json::from_value(serde_json::to_value(&first).unwrap()).unwrap();
+        assert_eq!(restart_stamp(&first), "2026-12-06T22:09:23Z");
+        assert_eq!(restart_stamp(&resumed), restart_stamp(&first));
     }
 }
