@@ -236,7 +236,13 @@ pub fn next_status(
         .map(|(kind, check)| condition(&old.conditions, kind, &check, generation, now))
         .collect();
     conditions.extend(finding_conditions(&old.conditions, outcome.findings.as_ref(), generation, now));
-    let migration = outcome.migration.clone().or(old.migration);
+    let migration = match (&outcome.migration, old.migration) {
+        (Some(m), _) => Some(m.clone()),
+        // A refusal is stated again by every pass it still applies to: a pass that declared
+        // the queue without one (the spec went back, say) leaves no stale refusal behind.
+        (None, Some(m)) if m.phase == MigrationPhase::Refused && outcome.queue.is_ok() => None,
+        (None, old) => old,
+    };
     if let Some(m) = &migration {
         conditions.push(condition(&old.conditions, ConditionType::Migrating, &migrating(m), generation, now));
     }
@@ -426,6 +432,31 @@ mod tests {
         assert_eq!(queue.last_transition_time, Time(at(300)));
         let dl = find(&flipped.conditions, ConditionType::DeadLetterReady).unwrap();
         assert_eq!(dl.last_transition_time, Time(at(100)));
+    }
+
+    #[test]
+    fn a_refusal_goes_once_a_pass_declares_the_queue_without_it_and_a_step_under_way_stays() {
+        let refused = MigrationStatus {
+            phase: MigrationPhase::Refused,
+            queue: "orders".into(),
+            message: "quorum queues refuse reject-publish-dlx".into(),
+            ..Default::default()
+        };
+        let mut stopped = Outcome::blocked(Check::failed(Reason::MigrationRefused, refused.message.clone()));
+        stopped.migration = Some(refused.clone());
+        let first = next_status(None, &stopped, Some(2), at(100));
+        assert_eq!(first.migration.as_ref(), Some(&refused));
+        let unreachable = Outcome::blocked(Check::unknown(Reason::BrokerUnreachable, "cannot connect"));
+        let kept = next_status(Some(&first), &unreachable, Some(2), at(150));
+        assert_eq!(kept.migration.as_ref(), Some(&refused), "nothing known: kept");
+        let reverted = next_status(Some(&first), &ok_outcome(), Some(3), at(200));
+        assert_eq!(reverted.migration, None);
+        assert!(find(&reverted.conditions, ConditionType::Migrating).is_none());
+
+        let draining = MigrationStatus { phase: MigrationPhase::Draining, ..refused };
+        let under_way = QueuePolicyStatus { migration: Some(draining.clone()), ..first };
+        let resumed = next_status(Some(&under_way), &ok_outcome(), Some(3), at(300));
+        assert_eq!(resumed.migration, Some(draining), "a step under way is what the next pass resumes");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::{
     migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
     names::RESTARTED_AT,
     plan::QueuePlan,
-    status::{Check, Reason, with_migration},
+    status::{Check, Reason, migrating, with_migration},
     workload::{Kind, WorkloadKey, rollout::Rollout},
 };
 use k8s_openapi::{
@@ -75,15 +75,11 @@ impl Journal for StatusJournal<'_> {
     }
 }
 
+/// The step's Event: its reason is the Migrating condition's; a refusal is a Warning.
 fn event(m: &MigrationStatus) -> EventSpec {
-    let (warning, reason) = match m.phase {
-        MigrationPhase::Completed => (false, Reason::MigrationCompleted),
-        MigrationPhase::Refused => (true, Reason::MigrationRefused),
-        _ => (false, Reason::Migrating),
-    };
     EventSpec {
-        warning,
-        reason: EventReason::Condition(reason),
+        warning: m.phase == MigrationPhase::Refused,
+        reason: EventReason::Condition(migrating(m).reason),
         action: "MigrateQueue",
         note: format!("{} ({}): {}", m.queue, m.phase.as_str(), m.message),
     }
