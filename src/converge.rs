@@ -8,7 +8,7 @@ use crate::{
     broker::{
         Broker,
         amqp::AmqpError,
-        management::ManagementError,
+        management::{LISTING_MAX_AGE, ManagementError},
         refusal::{ACCESS_REFUSED, Inequivalence, NOT_FOUND, PRECONDITION_FAILED, Refusal},
     },
     claims::Claims,
@@ -139,7 +139,10 @@ async fn converge_once(
 
     if let Some(obs) = queue_observation.as_mut().filter(|o| o.messages_unacknowledged.is_none()) {
         // Unacknowledged counts only exist in the management API; absent for a brand-new queue.
-        if let Ok(Some(info)) = broker.management.queue(&vhost, &plan.queue).await {
+        // From the vhost's shared listing: a renewal of a thousand policies costs no read each.
+        if let Ok(listing) = broker.management.queues_in(&vhost, LISTING_MAX_AGE).await
+            && let Some(info) = listing.queues.get(&plan.queue)
+        {
             obs.messages_unacknowledged = info.messages_unacknowledged;
         }
     }

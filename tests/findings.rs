@@ -48,8 +48,9 @@ impl Looker {
     }
 
     async fn look(&mut self) -> Report {
-        let seen =
-            findings::sample::sample(self.queues(), &self.broker, None).await.expect("the queue can be looked at");
+        let seen = findings::sample::sample(self.queues(), &self.broker, None, Duration::ZERO)
+            .await
+            .expect("the queue can be looked at");
         let (memory, report) = findings::evaluate(&self.memory, &seen, &self.plan.findings);
         self.memory = memory;
         report
@@ -214,4 +215,72 @@ async fn a_dead_letter_queue_that_keeps_growing_is_reported_and_clears_when_it_s
     looker.until(Finding::DeadLetterGrowing, false, WAIT).await;
     failing.abort();
     looker.cleanup().await;
+}
+
+/// Twenty policies of one vhost look at their queues through one listing of the vhost per
+/// interval, not two reads each (the fleet's management API load at rest), and each still finds
+/// its own queue and its dead-letter queue's messages in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_looks_of_a_vhosts_policies_share_one_queue_listing_per_interval() {
+    let pool = BrokerPool::new(unique("listing-op"));
+    let mut plans = Vec::new();
+    for i in 0..20 {
+        let name = unique(&format!("listing-{i}"));
+        let plan = plan_short(&policy_doc(&name, &format!("queue: {{name: {name}}}")));
+        assert!(converge::converge(&plan, &broker(&pool, &plan), &[], Mode::Declare).await.is_ready());
+        plans.push(plan);
+    }
+    let broker = broker(&pool, &plans[0]);
+    let trackers = queueguard::consumers::TrackerPool::new(&unique("listing-op"));
+    let tracker = trackers.tracker(&broker.uri, None).unwrap();
+    assert!(tracker.wait_synced("/", Duration::from_secs(10)).await);
+    // Three dead letters for the first policy, seen once the broker's statistics have them.
+    let (_conn, ch) = app().await;
+    for _ in 0..3 {
+        ch.basic_publish(
+            "".into(),
+            plans[0].dead_letter_queue.as_str().into(),
+            Default::default(),
+            b"x",
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let counted = eventually(Duration::from_secs(15), || async {
+        let listing = broker.management.queues_in("/", Duration::ZERO).await.unwrap();
+        listing.queues.get(&plans[0].dead_letter_queue).and_then(|q| q.messages_ready) == Some(3)
+    });
+    assert!(counted.await, "the broker's statistics count the dead letters");
+
+    async fn look(
+        plan: &QueuePlan,
+        broker: &Broker,
+        tracker: &queueguard::consumers::ConsumerTracker,
+        within: Duration,
+    ) -> Result<findings::Sample, findings::sample::LookError> {
+        let queues = findings::sample::Queues { queue: &plan.queue, dead_letter_queue: &plan.dead_letter_queue };
+        findings::sample::sample(queues, broker, Some(tracker), within).await
+    }
+    let every = Duration::from_secs(3);
+    for round in 0..2 {
+        // Past the last listing's interval: this round's first look reads a new one.
+        tokio::time::sleep(every).await;
+        let before = broker.management.requests();
+        let looks = futures::future::join_all(plans.iter().map(|p| look(p, &broker, &tracker, every))).await;
+        let samples: Vec<_> = looks.into_iter().map(|l| l.expect("each policy finds its queue")).collect();
+        assert_eq!(broker.management.requests() - before, 1, "round {round}: one listing for twenty looks");
+        assert_eq!(samples[0].dead_letter_ready, Some(3));
+        assert!(samples[1..].iter().all(|s| s.dead_letter_ready.unwrap_or_default() == 0));
+        assert!(samples.windows(2).all(|w| w[0].now_ms == w[1].now_ms), "one listing's time");
+    }
+    // Asked for one no older than the call, each look reads again.
+    let before = broker.management.requests();
+    for plan in &plans[..3] {
+        look(plan, &broker, &tracker, Duration::ZERO).await.unwrap();
+    }
+    assert_eq!(broker.management.requests() - before, 3);
+    for plan in &plans {
+        remove_all(plan).await;
+    }
 }

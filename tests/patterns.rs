@@ -49,7 +49,7 @@ impl Watch {
     }
 
     async fn look(&mut self) -> WatchReport {
-        let (seen, _) = pattern_broker::matching(&self.plan, &self.broker).await.unwrap();
+        let (seen, _) = pattern_broker::matching(&self.plan, &self.broker, Duration::ZERO).await.unwrap();
         let (memory, report) = pattern::evaluate(&self.memory, &seen, &self.plan.ignore);
         self.memory = memory;
         report
@@ -163,7 +163,7 @@ async fn replies_nobody_reads_are_orphans_until_read() {
 
 /// A look that does not disturb the leak memory (orphans need no history).
 async fn watch_look(watch: &Watch) -> WatchReport {
-    let (seen, _) = pattern_broker::matching(&watch.plan, &watch.broker).await.unwrap();
+    let (seen, _) = pattern_broker::matching(&watch.plan, &watch.broker, Duration::ZERO).await.unwrap();
     pattern::evaluate(&WatchMemory::default(), &seen, &[]).1
 }
 

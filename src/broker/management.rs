@@ -73,18 +73,6 @@ pub struct QueueInfo {
     pub idle_since: Option<String>,
 }
 
-/// A queue in a listing.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-pub struct QueueSummary {
-    pub name: String,
-    #[serde(default)]
-    pub messages_ready: Option<i64>,
-    #[serde(default)]
-    pub consumers: Option<i64>,
-    #[serde(default)]
-    pub policy: Option<String>,
-}
-
 /// Cumulative message counters of a queue; absent until the first of each happens.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 pub struct MessageStats {
@@ -211,6 +199,25 @@ const WRITES_IN_FLIGHT: usize = 1;
 /// Per vhost: when the last policy read went out, and what it returned, shared rather than
 /// copied (a vhost can hold a thousand policies).
 type PolicyCache = HashMap<String, (std::time::Instant, Arc<Vec<PolicyInfo>>)>;
+/// How old a vhost's shared queue listing may be when it serves the operator's periodic reads
+/// (findings, status, QueuePatterns): one listing per vhost per this interval, whatever the
+/// number of policies.
+pub const LISTING_MAX_AGE: Duration = Duration::from_secs(20);
+/// Per vhost: the last listing of its queues ([`ManagementClient::queues_in`]).
+type ListingCache = HashMap<String, Arc<QueueListing>>;
+
+/// The columns of a queue listing: what the findings, status and QueuePatterns read. Without
+/// them the broker sends every queue's full statistics (rates, backing queue status, ...).
+const LISTING_COLUMNS: &str = "name,vhost,type,durable,auto_delete,exclusive,arguments,messages_ready,messages_unacknowledged,consumers,policy,idle_since,message_stats.ack,message_stats.redeliver";
+
+/// Every queue of a vhost, as one listing read at `read_at`.
+#[derive(Debug)]
+pub struct QueueListing {
+    pub read_at: std::time::Instant,
+    /// When it was read, in ms since the epoch (the time its counters are from).
+    pub read_at_ms: i64,
+    pub queues: HashMap<String, QueueInfo>,
+}
 
 #[derive(Clone)]
 pub struct ManagementClient {
@@ -221,6 +228,7 @@ pub struct ManagementClient {
     in_flight: Arc<tokio::sync::Semaphore>,
     writes: Arc<tokio::sync::Semaphore>,
     policies: Arc<tokio::sync::Mutex<PolicyCache>>,
+    listings: Arc<tokio::sync::Mutex<ListingCache>>,
     /// The base URL requests go to now: the next one after a node stopped answering.
     current: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -245,6 +253,7 @@ impl ManagementClient {
             in_flight: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
             writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             policies: Default::default(),
+            listings: Default::default(),
             current: Default::default(),
         })
     }
@@ -283,6 +292,30 @@ impl ManagementClient {
         let list = Arc::new(self.get_opt(&["policies", vhost]).await?.unwrap_or_default());
         cache.insert(vhost.to_owned(), (read_at, Arc::clone(&list)));
         Ok(list)
+    }
+
+    /// Every queue of a vhost with the columns the findings, status and QueuePatterns read, one
+    /// listing shared by every caller: one read no earlier than `fresh_within` before the call
+    /// is served again (with `Duration::ZERO`, only one that went out after the call, which
+    /// concurrent callers share). What each policy's look would otherwise cost per queue is one
+    /// request per vhost per interval, and the broker gathers each queue's statistics once.
+    pub async fn queues_in(&self, vhost: &str, fresh_within: Duration) -> Result<Arc<QueueListing>, ManagementError> {
+        let asked = std::time::Instant::now();
+        let oldest = asked.checked_sub(fresh_within).unwrap_or(asked);
+        let mut cache = self.listings.lock().await;
+        if let Some(listing) = cache.get(vhost)
+            && listing.read_at >= oldest
+        {
+            return Ok(Arc::clone(listing));
+        }
+        let read_at = std::time::Instant::now();
+        let read_at_ms = crate::consumers::tracker::now_ms();
+        let rows: Vec<QueueInfo> =
+            self.get_query(&["queues", vhost], &format!("columns={LISTING_COLUMNS}")).await?.unwrap_or_default();
+        let queues = rows.into_iter().map(|q| (q.name.clone(), q)).collect();
+        let listing = Arc::new(QueueListing { read_at, read_at_ms, queues });
+        cache.insert(vhost.to_owned(), Arc::clone(&listing));
+        Ok(listing)
     }
 
     /// Keeps the cached list in step with a write of our own. Copies it only while a caller
@@ -328,14 +361,6 @@ impl ManagementClient {
     pub async fn connections_in(&self, vhost: &str) -> Result<Vec<ConnectionSummary>, ManagementError> {
         Ok(self
             .get_query(&["vhosts", vhost, "connections"], "columns=name,user_provided_name,connected_at")
-            .await?
-            .unwrap_or_default())
-    }
-
-    /// Every queue of a vhost with its ready messages, consumers and effective policy.
-    pub async fn queue_summaries(&self, vhost: &str) -> Result<Vec<QueueSummary>, ManagementError> {
-        Ok(self
-            .get_query(&["queues", vhost], "columns=name,messages_ready,consumers,policy")
             .await?
             .unwrap_or_default())
     }

@@ -6,6 +6,7 @@ use super::{
     Error, FINDINGS_EVERY, PatternContext, broker_from_secret, finalized, publish_for, status_writer::write_status,
 };
 use crate::{
+    broker::management::LISTING_MAX_AGE,
     events::{EventReason, EventSpec},
     metrics::PolicyLabels,
     pattern::{
@@ -51,7 +52,7 @@ async fn apply(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> 
             Ok(broker) => {
                 let mut applied = apply_policy(&plan, &broker).await;
                 let report = if applied.is_ok() {
-                    match matching(&plan, &broker).await {
+                    match matching(&plan, &broker, LISTING_MAX_AGE).await {
                         Ok((seen, elsewhere)) => {
                             if elsewhere > 0 {
                                 applied.message.push_str(&format!(

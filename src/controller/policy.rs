@@ -11,6 +11,7 @@ use super::{
     status_writer::{last_written, write_policy_status},
 };
 use crate::{
+    broker::management::LISTING_MAX_AGE,
     consumers::QueueKey,
     converge::{self, Cleanup},
     crd::{DeletionPolicy, QueuePolicy, QueuePolicyStatus},
@@ -206,7 +207,7 @@ async fn look(
         }
     };
     let queues = findings::sample::Queues { queue: &plan.queue, dead_letter_queue: &plan.dead_letter_queue };
-    let seen = match findings::sample::sample(queues, broker, tracker).await {
+    let seen = match findings::sample::sample(queues, broker, tracker, LISTING_MAX_AGE).await {
         Ok(seen) => seen,
         Err(why) => {
             tracing::debug!(%why, "could not look at the queue's consumers");

@@ -1,6 +1,7 @@
 //! The broker side of the findings: one look at the queue, its dead-letter queue and its
-//! consumers. Management API reads and one passive exchange declare (for the round trip), none
-//! of which renews the queue's expiry lease.
+//! consumers. The vhost's queue listing (shared by every policy of the vhost), the consumer
+//! tracker, and one passive exchange declare (for the round trip), none of which renews the
+//! queue's expiry lease.
 
 use super::{ConsumerView, Sample};
 use crate::{
@@ -8,11 +9,11 @@ use crate::{
         Broker,
         management::{ManagementError, QueueInfo},
     },
-    consumers::{ConsumerTracker, QueueKey, tracker::now_ms},
+    consumers::{ConsumerTracker, QueueKey},
 };
 use k8s_openapi::jiff::{Timestamp, civil::DateTime, tz::TimeZone};
 use lapin::{ExchangeKind, options::ExchangeDeclareOptions, types::FieldTable};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Why the queue could not be looked at.
 #[derive(Debug, thiserror::Error)]
@@ -30,19 +31,18 @@ pub struct Queues<'a> {
     pub dead_letter_queue: &'a str,
 }
 
-/// Looks at the queue.
+/// Looks at the queue, in a listing of its vhost read at most `fresh_within` before.
 pub async fn sample(
     queues: Queues<'_>,
     broker: &Broker,
     tracker: Option<&ConsumerTracker>,
+    fresh_within: Duration,
 ) -> Result<Sample, LookError> {
     let vhost = broker.vhost().to_owned();
-    let queue: QueueInfo = broker
-        .management
-        .queue(&vhost, queues.queue)
-        .await?
-        .ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;
-    let dead_letter = broker.management.queue(&vhost, queues.dead_letter_queue).await.ok().flatten();
+    let listing = broker.management.queues_in(&vhost, fresh_within).await?;
+    let queue: &QueueInfo =
+        listing.queues.get(queues.queue).ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;
+    let dead_letter = listing.queues.get(queues.dead_letter_queue);
     let consumers = match tracker {
         Some(t) => t
             .consumers_on(&QueueKey::new(&vhost, queues.queue))
@@ -69,7 +69,8 @@ pub async fn sample(
             .collect(),
     };
     Ok(Sample {
-        now_ms: now_ms(),
+        // The counters' time: the listing's, however long it was shared.
+        now_ms: listing.read_at_ms,
         consumers,
         ready: queue.messages_ready.unwrap_or_default(),
         unacked: queue.messages_unacknowledged.unwrap_or_default(),

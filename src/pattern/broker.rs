@@ -9,6 +9,7 @@ use crate::{
     status::{Check, Reason},
 };
 use regex::Regex;
+use std::time::Duration;
 
 /// Puts the pattern's policy on the broker unless it is there already.
 pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
@@ -34,17 +35,23 @@ pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
     )
 }
 
-/// The queues the pattern matches now, and how many of them another policy governs instead
-/// (one with a higher priority, such as a QueuePolicy's own).
-pub async fn matching(plan: &PatternPlan, broker: &Broker) -> Result<(Vec<QueueSeen>, usize), ManagementError> {
+/// The queues the pattern matches, in a listing of the vhost read at most `fresh_within`
+/// before (shared with every policy and pattern of the vhost), and how many of them another
+/// policy governs instead (one with a higher priority, such as a QueuePolicy's own).
+pub async fn matching(
+    plan: &PatternPlan,
+    broker: &Broker,
+    fresh_within: Duration,
+) -> Result<(Vec<QueueSeen>, usize), ManagementError> {
     let re = Regex::new(&plan.pattern).expect("validated by plan()");
-    let all = broker.management.queue_summaries(broker.vhost()).await?;
-    let matching: Vec<_> = all.into_iter().filter(|q| re.is_match(&q.name)).collect();
+    let listing = broker.management.queues_in(broker.vhost(), fresh_within).await?;
+    let mut matching: Vec<_> = listing.queues.values().filter(|q| re.is_match(&q.name)).collect();
+    matching.sort_by(|a, b| a.name.cmp(&b.name));
     let elsewhere = matching.iter().filter(|q| q.policy.as_deref().is_some_and(|p| p != plan.policy_name)).count();
     let seen = matching
         .into_iter()
         .map(|q| QueueSeen {
-            name: q.name,
+            name: q.name.clone(),
             ready: q.messages_ready.unwrap_or_default(),
             consumers: q.consumers.unwrap_or_default(),
         })
