@@ -201,8 +201,9 @@ const WRITES_IN_FLIGHT: usize = 1;
 type PolicyCache = HashMap<String, (std::time::Instant, Arc<Vec<PolicyInfo>>)>;
 /// How old a vhost's shared queue listing may be when it serves the operator's periodic reads
 /// (findings, status, QueuePatterns): one listing per vhost per this interval, whatever the
-/// number of policies.
-pub const LISTING_MAX_AGE: Duration = Duration::from_secs(20);
+/// number of policies. Longer than the findings' 20 s between looks, so the looks of a vhost
+/// cost two listings a minute; a look that finds the listing its last look saw skips a turn.
+pub const LISTING_MAX_AGE: Duration = Duration::from_secs(30);
 /// Per vhost: the last listing of its queues ([`ManagementClient::queues_in`]).
 type ListingCache = HashMap<String, Arc<QueueListing>>;
 

@@ -59,8 +59,8 @@ const STABLE_SUBSCRIPTION: Duration = Duration::from_secs(10);
 /// loopback, `scripts/rabbitmq-cluster.sh`).
 pub const NODE_CHECK: Duration = Duration::from_millis(500);
 /// A single node's crash ends the operator's own connection; its nodes are read only to notice
-/// it became a cluster.
-const NODE_CHECK_SINGLE: Duration = Duration::from_secs(30);
+/// it became a cluster (once a minute: a management API read the fleet's budget counts).
+const NODE_CHECK_SINGLE: Duration = Duration::from_secs(60);
 /// The management API lists a new consumer after its statistics interval (measured on a
 /// cluster: p50 2.6 s, max 3.7 s; a queue's consumer count max 6.7 s): consumers that attached
 /// while the subscription was down show in a snapshot this long after it is back.

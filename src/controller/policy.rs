@@ -214,6 +214,9 @@ async fn look(
             return None;
         }
     };
+    if memory.has_seen(&seen) {
+        return None;
+    }
     let (memory, report) = findings::evaluate(&memory, &seen, &plan.findings);
     lock(&ctx.memos).entry(me.clone()).or_default().looked = Some((memory, Instant::now()));
     Some(report)

@@ -82,6 +82,14 @@ const MIN_REDELIVERIES: u64 = 10;
 /// Passes in a row the dead-letter queue must grow before it is reported.
 const GROWTH_PASSES: u32 = 3;
 
+impl Memory {
+    /// Whether the last look already saw `now`'s counters (both came from one shared listing of
+    /// the vhost): judging it again would find no time passed.
+    pub fn has_seen(&self, now: &Sample) -> bool {
+        self.last.as_ref().is_some_and(|l| l.now_ms >= now.now_ms)
+    }
+}
+
 pub fn evaluate(memory: &Memory, now: &Sample, settings: &Settings) -> (Memory, Report) {
     let last = memory.last.as_ref().filter(|l| l.now_ms < now.now_ms);
     let acks = last.map(|l| now.acks.saturating_sub(l.acks));
@@ -222,6 +230,14 @@ mod tests {
         let mut o = Sample { now_ms, consumers: vec![consumer("w1", 10, true)], ..Default::default() };
         edit(&mut o);
         o
+    }
+
+    #[test]
+    fn a_listing_already_judged_is_seen_and_a_newer_one_is_not() {
+        let (memory, _) = evaluate(&Memory::default(), &at(20_000, |_| {}), &settings());
+        assert!(memory.has_seen(&at(20_000, |_| {})));
+        assert!(!memory.has_seen(&at(50_000, |_| {})));
+        assert!(!Memory::default().has_seen(&at(20_000, |_| {})));
     }
 
     /// Runs samples in order, returning the last report.
