@@ -39,7 +39,11 @@ pub async fn sample(
     fresh_within: Duration,
 ) -> Result<Sample, LookError> {
     let vhost = broker.vhost().to_owned();
-    let listing = broker.management.queues_in(&vhost, fresh_within).await?;
+    let mut listing = broker.management.queues_in(&vhost, fresh_within).await?;
+    if !listing.queues.contains_key(queues.queue) && !fresh_within.is_zero() {
+        // A shared listing older than the queue (declared since): one read that is not.
+        listing = broker.management.queues_in(&vhost, Duration::ZERO).await?;
+    }
     let queue: &QueueInfo =
         listing.queues.get(queues.queue).ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;
     let dead_letter = listing.queues.get(queues.dead_letter_queue);
