@@ -201,7 +201,8 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
     let mut restarts = 0;
     let mut migration = None;
     if s.migrate && s.guarded {
-        // A second of traffic, so that the queues hold messages when they move.
+        // A second of traffic first. The consumers keep up, so the queues hold little when they
+        // move; what is published during the swap goes through the holding queue.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let broker = pool.get(uri.clone(), None).map_err(|e| e.to_string())?;
         let mut moved = migrate(&broker, &mut declared, s.quorum).await?;
