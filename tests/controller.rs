@@ -1030,7 +1030,9 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
     }
     expected.extend(["RestartingConsumers", "Completed", "Completed"].map(|p| format!("{name} {p}")));
     assert_eq!(phases, expected, "each step recorded before it was taken, then the pass's status");
-    let stamp = pass.statuses[0]["migration"]["startedAt"].as_str().expect("the start is recorded").to_owned();
+    // The queue's own start (its dead-letter queue moved first, with a start of its own).
+    let restarting = pass.statuses.iter().find(|s| s["migration"]["phase"] == "RestartingConsumers").unwrap();
+    let stamp = restarting["migration"]["startedAt"].as_str().expect("the start is recorded").to_owned();
     let restart = json!({"spec": {"template": {"metadata": {"annotations": {"queueguard.io/restartedAt": stamp}}}}});
     assert_eq!(
         pass.restarts,
@@ -1060,7 +1062,6 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
 
     // An operator killed after the patch, before Completed was written: its successor resumes at
     // the recorded RestartingConsumers and sends the same value (the rollout sees no change).
-    let restarting = pass.statuses.iter().find(|s| s["migration"]["phase"] == "RestartingConsumers").unwrap();
     let mut resumed = after.clone();
     resumed.status = Some(serde_json::from_value(restarting.clone()).unwrap());
     let (ctx, api) = guarded_harness(&after, &name).await;

@@ -10,8 +10,8 @@ use futures::StreamExt;
 use lapin::{
     BasicProperties, Channel, Confirmation, PublisherConfirm,
     options::{
-        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-        QueueDeclareOptions,
+        BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+        ConfirmSelectOptions, QueueDeclareOptions,
     },
     types::FieldTable,
 };
@@ -29,6 +29,8 @@ const BATCH: usize = 500;
 const IDLE: Duration = Duration::from_millis(100);
 /// ...and so does this much time moving.
 const LOOK_EVERY: Duration = Duration::from_millis(500);
+/// The mover's consumer tag on the queue it empties.
+const TAG: &str = "queueguard-migrate";
 
 /// Moves every message of `from` into `to` until `from` holds no ready message and nothing is
 /// in flight; counts each confirmed copy in `moved` as it goes (for status and metrics) and
@@ -44,12 +46,7 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
         let mut deliveries = amqp
             .run_on(
                 generation,
-                consume.basic_consume(
-                    from.into(),
-                    "queueguard-migrate".into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                ),
+                consume.basic_consume(from.into(), TAG.into(), BasicConsumeOptions::default(), FieldTable::default()),
             )
             .await?;
         let mut pending: VecDeque<(u64, PublisherConfirm)> = VecDeque::new();
@@ -63,17 +60,7 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
         loop {
             let idle = match tokio::time::timeout(IDLE, deliveries.next()).await {
                 Ok(Some(Ok(delivery))) => {
-                    let confirm = publish
-                        .basic_publish(
-                            "".into(),
-                            to.into(),
-                            BasicPublishOptions { mandatory: true, ..Default::default() },
-                            &delivery.data,
-                            carried(&delivery.properties),
-                        )
-                        .await
-                        .map_err(|e| amqp.classify(e))?;
-                    pending.push_back((delivery.delivery_tag, confirm));
+                    pending.push_back(copy(broker, &publish, to, delivery).await?);
                     if pending.len() >= BATCH {
                         count += settle(&consume, &mut pending, to, moved).await?;
                     }
@@ -94,6 +81,14 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
             looked = Instant::now();
             let empty = ready(&publish, from).await? == 0;
             if empty && (idle || winding_down) {
+                // Deliveries the broker sent and this loop has not taken yet are neither ready
+                // nor moved: closing the channel would put them back in `from` after it was seen
+                // empty. Once the cancel is answered, every one of them has arrived.
+                amqp.run_on(generation, consume.basic_cancel(TAG.into(), BasicCancelOptions::default())).await?;
+                while let Ok(Some(Ok(delivery))) = tokio::time::timeout(IDLE, deliveries.next()).await {
+                    pending.push_back(copy(broker, &publish, to, delivery).await?);
+                }
+                count += settle(&consume, &mut pending, to, moved).await?;
                 return Ok(count);
             }
             winding_down = empty;
@@ -105,6 +100,26 @@ pub async fn drain(broker: &Broker, from: &str, to: &str, moved: &AtomicU64) -> 
         let _ = tokio::time::timeout(Duration::from_secs(5), ch.close(200, "moved".into())).await;
     }
     result
+}
+
+/// Publishes a delivery's copy into `to`; its tag and the confirm to await.
+async fn copy(
+    broker: &Broker,
+    publish: &Channel,
+    to: &str,
+    delivery: lapin::message::Delivery,
+) -> Result<(u64, PublisherConfirm), Error> {
+    let confirm = publish
+        .basic_publish(
+            "".into(),
+            to.into(),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            &delivery.data,
+            carried(&delivery.properties),
+        )
+        .await
+        .map_err(|e| broker.amqp.classify(e))?;
+    Ok((delivery.delivery_tag, confirm))
 }
 
 /// Awaits the confirms in flight, oldest first, and acknowledges what they cover at once (also
