@@ -46,7 +46,7 @@ struct StatusJournal<'a> {
     ctx: &'a Context,
     /// Told of each swap before it is taken, so the next pass does not take the deletion of the
     /// old queue for one behind the operator's back.
-    tracker: Option<Arc<ConsumerTracker>>,
+    tracker: Option<&'a Arc<ConsumerTracker>>,
     vhost: &'a str,
 }
 
@@ -86,12 +86,14 @@ fn event(m: &MigrationStatus) -> EventSpec {
 }
 
 /// Migrates the dead-letter queue, then the queue, when their shapes differ from the plan's
-/// and the policy says Migrate; resumes one that stopped.
+/// and the policy says Migrate; resumes one that stopped. `tracker` is the broker's, which the
+/// pass already has.
 pub(super) async fn run(
     policy: &QueuePolicy,
     plan: &QueuePlan,
     previous: Option<&QueuePolicyStatus>,
     broker: &Broker,
+    tracker: Option<&Arc<ConsumerTracker>>,
     ctx: &Context,
 ) -> Result<Migrated, Error> {
     let recorded = previous.and_then(|s| s.migration.as_ref());
@@ -99,7 +101,6 @@ pub(super) async fn run(
     if plan.on_change != OnChange::Migrate && restart_pending.is_none() {
         return Ok(Migrated::Idle);
     }
-    let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
     let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx, tracker, vhost: broker.vhost() };
     let mut moved = restart_pending.cloned();
     if plan.on_change == OnChange::Migrate {

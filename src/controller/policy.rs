@@ -118,7 +118,7 @@ async fn broker_side(
     let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| deleted.is_empty()) {
         Some(outcome) => outcome,
         None => {
-            let migrated = migration::run(policy, plan, previous, &broker, ctx).await?;
+            let migrated = migration::run(policy, plan, previous, &broker, tracker.as_ref(), ctx).await?;
             if let Migrated::Stopped(check, state) = migrated {
                 let mut outcome = Outcome::blocked(check);
                 outcome.migration = Some(state);
