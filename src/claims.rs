@@ -7,6 +7,7 @@
 //! queue too many is safe, deleting one too many loses messages).
 
 use crate::{
+    broker_source::BrokerSource,
     crd::{DeletionPolicy, QueuePolicy},
     pattern::crd::QueuePattern,
     plan::{self, Limits, QueuePlan},
@@ -37,8 +38,8 @@ impl Claims {
 
 /// Where a plan's entities live, as far as can be told without reading its Secret.
 struct Place<'a> {
-    namespace: &'a str,
-    secret: &'a str,
+    /// The Secret or RabbitmqCluster its credentials come from: (namespace, kind, name).
+    source: (&'a str, &'static str, &'a str),
     vhost: Option<&'a str>,
 }
 
@@ -49,7 +50,7 @@ fn may_share(a: &Place, b: &Place) -> bool {
         // Both from their Secret: the same Secret is the same vhost; another may be too.
         (None, None) => true,
         // One explicit, one from a Secret: unknown unless it is the same Secret.
-        _ => !(a.namespace == b.namespace && a.secret == b.secret),
+        _ => a.source != b.source,
     }
 }
 
@@ -64,7 +65,7 @@ pub fn others(
     limits: Limits,
 ) -> Claims {
     let my_ns = me.namespace().unwrap_or_default();
-    let here = Place { namespace: &my_ns, secret: &mine.secret_name, vhost: mine.vhost.as_deref() };
+    let here = Place { source: mine.broker.object(&my_ns), vhost: mine.vhost.as_deref() };
     let mut claims = Claims::default();
     for p in policies.iter().map(Borrow::borrow) {
         let same = p.uid().is_some() && p.uid() == me.uid()
@@ -76,7 +77,7 @@ pub fn others(
         // An invalid spec never declared anything.
         let Ok(theirs) = plan::plan(p, limits) else { continue };
         let ns = p.namespace().unwrap_or_default();
-        let there = Place { namespace: &ns, secret: &theirs.secret_name, vhost: theirs.vhost.as_deref() };
+        let there = Place { source: theirs.broker.object(&ns), vhost: theirs.vhost.as_deref() };
         if !may_share(&here, &there) {
             continue;
         }
@@ -89,8 +90,8 @@ pub fn others(
     for p in patterns.iter().map(Borrow::borrow) {
         let Some(exchange) = &p.spec.dead_letter_exchange else { continue };
         let ns = p.namespace().unwrap_or_default();
-        let there =
-            Place { namespace: &ns, secret: &p.spec.broker.secret_ref.name, vhost: p.spec.broker.vhost.as_deref() };
+        let Some(source) = BrokerSource::of(&p.spec.broker) else { continue };
+        let there = Place { source: source.object(&ns), vhost: p.spec.broker.vhost.as_deref() };
         if may_share(&here, &there) {
             claims.exchanges.entry(exchange.clone()).or_default().insert(format!("QueuePattern {ns}/{}", p.name_any()));
         }
@@ -144,7 +145,7 @@ mod tests {
         assert_eq!(claims_of(&a, &[elsewhere], &[]), Claims::default());
         // Another Secret's vhost is unknown here: it may be the same.
         let mut other_secret = policy("shop", "b", SHARED);
-        other_secret.spec.broker.secret_ref.name = "other".into();
+        other_secret.spec.broker.secret_ref = Some(crate::crd::SecretRef { name: "other".into() });
         assert!(claims_of(&a, &[other_secret], &[]).queue("dead").is_some());
         // The same Secret without an explicit vhost is the Secret's vhost, which `a` overrides.
         let same_secret = policy("shop", "b", SHARED);

@@ -71,15 +71,24 @@ pub struct QueuePolicySpec {
     pub findings: FindingsSpec,
 }
 
-/// Broker connection, read from a Secret in the QueuePolicy's namespace.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+/// Broker connection: a Secret in the QueuePolicy's namespace, or a RabbitMQ Cluster Operator's
+/// RabbitmqCluster (exactly one of the two).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.secretRef) != has(self.rabbitmqClusterReference)").message("spec.broker needs exactly one of secretRef and rabbitmqClusterReference"))]
 pub struct BrokerSpec {
     /// Secret holding `uri` (amqp:// or amqps://user:pass@host:port/vhost) and optionally
     /// `managementUri` (http[s]://host:15672, comma-separated for a cluster; default: each AMQP
     /// host on port 15672 with the same credentials), `caCert` (PEM) and `addresses` (a cluster's
     /// nodes, host:port,host:port,... in the order to try).
-    pub secret_ref: SecretRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretRef>,
+    /// A RabbitmqCluster (rabbitmq.com/v1beta1) made by the RabbitMQ Cluster Operator: its
+    /// default user's Secret and Service give the credentials and addresses, followed as they
+    /// rotate. Another namespace's cluster only where its annotation
+    /// `rabbitmq.com/topology-allowed-namespaces` lists this one (or `*`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rabbitmq_cluster_reference: Option<RabbitmqClusterReference>,
     /// Virtual host of the queue. Default: the vhost in the Secret's `uri`, else `/`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 255))]
@@ -92,6 +101,18 @@ pub struct SecretRef {
     /// Name of the Secret.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
+}
+
+/// A RabbitmqCluster, as the Messaging Topology Operator names one.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct RabbitmqClusterReference {
+    /// Name of the RabbitmqCluster.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Its namespace. Default: the QueuePolicy's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: Option<String>,
 }
 
 /// The queue and the settings that keep its messages safe.

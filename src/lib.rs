@@ -13,6 +13,7 @@
 //! thin adapters ([`broker`] for RabbitMQ, [`controller`] for Kubernetes).
 
 pub mod broker;
+pub mod broker_source;
 pub mod check;
 pub mod claims;
 pub mod cli;
@@ -35,6 +36,7 @@ pub mod overview;
 pub mod pass;
 pub mod pattern;
 pub mod plan;
+pub mod rabbitmq_cluster;
 pub mod rbac;
 pub mod secret;
 pub mod settings;

@@ -3,6 +3,7 @@
 
 use crate::{
     broker::{Broker, BrokerCredentials, BrokerPool},
+    broker_source::BrokerSource,
     converge::{self, Mode},
     crd::{MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
     migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
@@ -122,7 +123,7 @@ pub async fn apply(
             Ok(plan) => {
                 let creds = match broker {
                     Some(c) => Ok(c.clone()),
-                    None => credentials_in(manifest, &namespace, &plan.secret_name),
+                    None => credentials_in(manifest, &namespace, &plan.broker),
                 };
                 match creds.and_then(|c| pass::broker_for_plan(pool, &plan, &c)) {
                     Err(check) => Outcome::blocked(check),
@@ -182,9 +183,20 @@ impl Journal for Told {
     }
 }
 
-fn credentials_in(manifest: &Manifest, namespace: &str, secret_name: &str) -> Result<BrokerCredentials, Check> {
+fn credentials_in(manifest: &Manifest, namespace: &str, source: &BrokerSource) -> Result<BrokerCredentials, Check> {
+    let secret_name = match source {
+        BrokerSource::Secret { name } => name,
+        BrokerSource::RabbitmqCluster { .. } => {
+            return Err(Check::failed(
+                Reason::RabbitmqClusterNotFound,
+                format!(
+                    "{source} is read from a cluster, not from the input; pass --broker URI (or QUEUEGUARD_BROKER_URI)"
+                ),
+            ));
+        }
+    };
     let found = manifest.secrets.iter().find(|s| {
-        s.metadata.name.as_deref() == Some(secret_name)
+        s.metadata.name.as_deref() == Some(secret_name.as_str())
             && s.metadata.namespace.as_deref().unwrap_or("default") == namespace
     });
     match found {
@@ -218,8 +230,12 @@ mod tests {
         let m = read_manifest("f.yaml", &text).unwrap();
         assert_eq!(m.policies.len(), 1);
         assert_eq!(m.secrets.len(), 1);
-        assert_eq!(credentials_in(&m, "shop", "rabbitmq").unwrap().uri, "amqp://u:p@h/");
-        assert_eq!(credentials_in(&m, "other", "rabbitmq").unwrap_err().reason, Reason::SecretNotFound);
+        let secret = BrokerSource::Secret { name: "rabbitmq".into() };
+        assert_eq!(credentials_in(&m, "shop", &secret).unwrap().uri, "amqp://u:p@h/");
+        assert_eq!(credentials_in(&m, "other", &secret).unwrap_err().reason, Reason::SecretNotFound);
+        let cluster = BrokerSource::RabbitmqCluster { name: "rabbit".into(), namespace: None };
+        let err = credentials_in(&m, "shop", &cluster).unwrap_err();
+        assert!(err.message.contains("pass --broker"), "{}", err.message);
     }
 
     #[test]

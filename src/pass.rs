@@ -4,6 +4,7 @@
 
 use crate::{
     broker::{Broker, BrokerCredentials, BrokerPool, uri::BrokerUri},
+    broker_source::BrokerSource,
     converge::Mode,
     crd::QueuePolicyStatus,
     plan::QueuePlan,
@@ -22,19 +23,23 @@ pub const CONFLICT_RETRY: Duration = Duration::from_secs(60);
 
 /// The shared endpoint for a plan's broker, or the condition that explains why there is none.
 pub fn broker_for_plan(pool: &BrokerPool, plan: &QueuePlan, creds: &BrokerCredentials) -> Result<Arc<Broker>, Check> {
-    broker_for(pool, &plan.secret_name, plan.vhost.as_deref(), creds)
+    broker_for(pool, &plan.broker, plan.vhost.as_deref(), creds)
 }
 
-/// The shared endpoint for credentials from Secret `secret_name`, in `vhost` when given (else
-/// the URI's).
+/// The shared endpoint for credentials from `source`, in `vhost` when given (else the URI's).
 pub fn broker_for(
     pool: &BrokerPool,
-    secret_name: &str,
+    source: &BrokerSource,
     vhost: Option<&str>,
     creds: &BrokerCredentials,
 ) -> Result<Arc<Broker>, Check> {
     let uri = BrokerUri::parse_cluster(&creds.uri, creds.management_uri.as_deref(), creds.addresses.as_deref())
-        .map_err(|e| Check::failed(Reason::InvalidBrokerUri, format!("Secret '{secret_name}' key {e}")))?;
+        .map_err(|e| match source {
+            BrokerSource::Secret { .. } => Check::failed(Reason::InvalidBrokerUri, format!("{source} key {e}")),
+            BrokerSource::RabbitmqCluster { .. } => {
+                Check::failed(Reason::InvalidBrokerUri, format!("{source}'s default user Secret gives no usable {e}"))
+            }
+        })?;
     let uri = match vhost {
         Some(vhost) => uri.with_vhost(vhost),
         None => uri,
@@ -65,7 +70,12 @@ pub fn requeue_after(plan: Option<&QueuePlan>, outcome: &Outcome) -> Option<Dura
     Some(match reason {
         Reason::InvalidSpec => return None,
         Reason::BrokerUnreachable => UNREACHABLE_RETRY,
-        Reason::SecretNotFound | Reason::SecretKeyMissing | Reason::InvalidBrokerUri => SECRET_RETRY,
+        Reason::SecretNotFound
+        | Reason::SecretKeyMissing
+        | Reason::InvalidBrokerUri
+        | Reason::RabbitmqClusterNotFound
+        | Reason::RabbitmqClusterNotReady
+        | Reason::ClusterReferenceNotAllowed => SECRET_RETRY,
         _ => CONFLICT_RETRY,
     })
 }

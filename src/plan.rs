@@ -6,6 +6,7 @@
 
 use crate::{
     broker::management::addressable,
+    broker_source::BrokerSource,
     crd::{
         Binding, ConsumersSpec, DeletionPolicy, FailurePolicy, GateMode, MatchBy, OnChange, Overflow, QueuePolicy,
         QueueType, SettingsMode,
@@ -77,7 +78,8 @@ pub struct QueuePlan {
     /// Name of the operator-owned broker policy (Policy mode).
     pub policy_name: String,
     pub deletion: DeletionPolicy,
-    pub secret_name: String,
+    /// Where the broker's credentials come from.
+    pub broker: BrokerSource,
     /// The rollout gate, when spec.consumers names the consumers.
     pub gate: Option<GatePlan>,
     /// Which hygiene findings are judged and how.
@@ -190,10 +192,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
     }
     let stall_after = errors.duration("spec.findings.stallAfter", &spec.findings.stall_after).unwrap_or_default();
 
-    let secret_name = spec.broker.secret_ref.name.clone();
-    if secret_name.is_empty() {
-        errors.add("spec.broker.secretRef.name", "must be set");
-    }
+    let broker = broker_source(&mut errors, &spec.broker);
     if spec.broker.vhost.as_deref() == Some("") {
         errors.add("spec.broker.vhost", "must not be empty (omit it to use the URI's vhost)");
     } else if spec.broker.vhost.as_deref().is_some_and(|v| !addressable(v)) {
@@ -228,7 +227,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         },
         bindings,
         deletion: spec.deletion_policy,
-        secret_name,
+        broker: broker.unwrap_or(BrokerSource::Secret { name: String::new() }),
         gate: spec.consumers.clone().map(|consumers| GatePlan {
             mode: spec.gate.mode,
             failure_policy: spec.gate.failure_policy,
@@ -241,6 +240,24 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
             consumers,
         }),
     })
+}
+
+/// The spec's one broker source, or what is wrong with it. Shared with QueuePatterns.
+pub(crate) fn broker_source(errors: &mut Errors, spec: &crate::crd::BrokerSpec) -> Option<BrokerSource> {
+    let source = BrokerSource::of(spec);
+    match &source {
+        None => errors.add("spec.broker", "needs exactly one of secretRef and rabbitmqClusterReference"),
+        Some(BrokerSource::Secret { name }) if name.is_empty() => {
+            errors.add("spec.broker.secretRef.name", "must be set")
+        }
+        Some(BrokerSource::RabbitmqCluster { name, .. }) if name.is_empty() => {
+            errors.add("spec.broker.rabbitmqClusterReference.name", "must be set")
+        }
+        Some(BrokerSource::RabbitmqCluster { namespace: Some(ns), .. }) if ns.is_empty() => errors
+            .add("spec.broker.rabbitmqClusterReference.namespace", "must not be empty (omit it for the policy's own)"),
+        Some(_) => {}
+    }
+    source
 }
 
 fn check_name(errors: &mut Errors, field: &str, value: &str, what: &str) {

@@ -29,6 +29,8 @@ pub enum Feature {
     LeaderElection,
     /// The webhook with a certificate the operator issues itself (not cert-manager).
     WebhookSelfSigned,
+    /// QueuePolicies naming a RabbitMQ Cluster Operator's RabbitmqCluster.
+    RabbitmqClusters,
     /// The chart's pre-delete hook (`queueguard uninstall`), which stops the operator's own
     /// Deployment before removing the finalizers.
     UninstallHook,
@@ -60,6 +62,13 @@ pub const RULES: &[Rule] = &[
     rule("events.k8s.io", "events", &["create", "patch"]),
     // Broker credentials.
     rule("", "secrets", &["get"]),
+    Rule {
+        group: "rabbitmq.com",
+        resource: "rabbitmqclusters",
+        verbs: &["get"],
+        scope: Scope::Watched,
+        feature: Some(Feature::RabbitmqClusters),
+    },
     Rule {
         group: "coordination.k8s.io",
         resource: "leases",

@@ -3,6 +3,7 @@
 
 use crate::{
     broker::BrokerCredentials,
+    rabbitmq_cluster,
     status::{Check, Reason},
 };
 use k8s_openapi::api::core::v1::Secret;
@@ -11,8 +12,19 @@ pub const URI_KEY: &str = "uri";
 pub const MANAGEMENT_URI_KEY: &str = "managementUri";
 pub const CA_CERT_KEY: &str = "caCert";
 pub const ADDRESSES_KEY: &str = "addresses";
-/// Every key the operator reads; a Secret's other keys are never kept.
-pub const KEYS: [&str; 4] = [URI_KEY, MANAGEMENT_URI_KEY, CA_CERT_KEY, ADDRESSES_KEY];
+/// Every key the operator reads, from its own Secrets and from a RabbitmqCluster's default-user
+/// and CA Secrets; a Secret's other keys are never kept.
+pub const KEYS: [&str; 9] = [
+    URI_KEY,
+    MANAGEMENT_URI_KEY,
+    CA_CERT_KEY,
+    ADDRESSES_KEY,
+    rabbitmq_cluster::DEFAULT_USER_KEYS[0],
+    rabbitmq_cluster::DEFAULT_USER_KEYS[1],
+    rabbitmq_cluster::DEFAULT_USER_KEYS[2],
+    rabbitmq_cluster::DEFAULT_USER_KEYS[3],
+    rabbitmq_cluster::CA_KEY,
+];
 
 /// Reads the credentials, or says which key is missing or unreadable (never its value).
 pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {

@@ -1154,3 +1154,221 @@ async fn drain_ids(queue: &str) -> std::collections::HashSet<String> {
     }
     ids
 }
+
+// --- Brokers made by the RabbitMQ Cluster Operator -------------------------------------------
+
+const CLUSTERS: &str = "/apis/rabbitmq.com/v1beta1/namespaces";
+
+/// A QueuePolicy `test/<name>` on RabbitmqCluster `cluster` (in `namespace`, else its own).
+fn cluster_policy(name: &str, cluster: &str, namespace: Option<&str>) -> QueuePolicy {
+    let ns = namespace.map(|n| format!(", namespace: {n}")).unwrap_or_default();
+    let doc = format!(
+        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: {name:?}, namespace: test, generation: 1}}\nspec:\n  broker: {{rabbitmqClusterReference: {{name: {cluster}{ns}}}}}\n  queue: {{expires: 30m}}\n"
+    );
+    with_finalizer(serde_yaml_ng::from_str(&doc).unwrap())
+}
+
+/// A RabbitmqCluster as the Cluster Operator leaves it once made, checked against the CRD's
+/// schema (a trimmed copy in tests/fixtures) so that it has the real object's shape.
+fn rabbitmq_cluster(ns: &str, annotations: Value, made: bool) -> Value {
+    let mut cluster = json!({
+        "apiVersion": "rabbitmq.com/v1beta1", "kind": "RabbitmqCluster",
+        "metadata": {"name": "rabbit", "namespace": ns, "generation": 1, "annotations": annotations},
+        "spec": {"replicas": 1, "image": "rabbitmq:4.0-management", "resources": {"limits": {"memory": "2Gi"}}},
+        "status": {"conditions": [{"type": "AllReplicasReady", "status": "True"}]},
+    });
+    if made {
+        cluster["status"]["binding"] = json!({"name": "rabbit-default-user"});
+        cluster["status"]["defaultUser"] = json!({
+            "secretReference": {"name": "rabbit-default-user", "namespace": ns,
+                "keys": {"username": "username", "password": "password", "host": "host", "port": "port"}},
+            "serviceReference": {"name": "rabbit", "namespace": ns},
+        });
+    }
+    let schema = schema::crd_schema("tests/fixtures/rabbitmq/rabbitmqcluster-crd.yaml", "v1beta1");
+    assert_eq!(schema::violations(&cluster, &schema), Vec::<String>::new(), "a RabbitmqCluster the CRD accepts");
+    cluster
+}
+
+/// The default user's Secret, as the Cluster Operator writes it (no `uri`), for a broker at
+/// `host:port`.
+fn default_user(ns: &str, user: &str, password: &str, host: &str, port: u16) -> Value {
+    let mut s = Secret::default();
+    s.metadata.name = Some("rabbit-default-user".into());
+    s.metadata.namespace = Some(ns.into());
+    let conf = format!("default_user = {user}\ndefault_pass = {password}");
+    let pairs = [
+        ("username", user.to_owned()),
+        ("password", password.to_owned()),
+        ("host", host.to_owned()),
+        ("port", port.to_string()),
+        ("provider", "rabbitmq".into()),
+        ("type", "rabbitmq".into()),
+        ("default_user.conf", conf),
+    ];
+    s.data = Some(pairs.into_iter().map(|(k, v)| (k.to_string(), ByteString(v.into_bytes()))).collect());
+    serde_json::to_value(s).unwrap()
+}
+
+/// The test broker's AMQP host and port, where its management API is on the usual port (the
+/// Cluster Operator's Service has it on 15672 beside AMQP).
+fn test_broker_address() -> Option<(String, u16)> {
+    let url = url::Url::parse(&broker_uri()).unwrap();
+    management_base().ends_with(":15672").then(|| (url.host_str().unwrap().to_owned(), url.port().unwrap_or(5672)))
+}
+
+#[tokio::test]
+async fn a_policy_on_a_rabbitmq_cluster_logs_in_as_its_default_user_and_is_declared_on_its_broker() {
+    let Some((host, port)) = test_broker_address() else {
+        eprintln!("SKIPPED: the test broker's management API is not on port 15672 beside AMQP");
+        return;
+    };
+    // A user of its own, as the Cluster Operator makes one (default_user_...), so that only
+    // the default user's Secret can have given the operator its credentials.
+    let user = unique("default_user");
+    let password = "p@ss/w:rd+";
+    for args in [
+        vec!["add_user", user.as_str(), password],
+        vec!["set_user_tags", user.as_str(), "administrator"],
+        vec!["set_permissions", "-p", "/", user.as_str(), ".*", ".*", ".*"],
+    ] {
+        let out = rabbitmqctl(&args);
+        assert!(out.status.success(), "rabbitmqctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let (client, mut api) = mock_client();
+    let connection_name = unique("cluster-ref");
+    let ctx = Arc::new(Context::new(client, &connection_name));
+    let name = unique("on-cluster");
+    let p = cluster_policy(&name, "rabbit", None);
+    let echo = serde_json::to_value(&p).unwrap();
+    let (n, secret) = (name.clone(), default_user("test", &user, password, &host, port));
+    let server = tokio::spawn(async move {
+        api.expect("GET", &format!("{CLUSTERS}/test/rabbitmqclusters/rabbit"))
+            .await
+            .respond(StatusCode::OK, &rabbitmq_cluster("test", json!({}), true));
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbit-default-user").await.respond(StatusCode::OK, &secret);
+        let (status, call) = api.expect_status_patch(&n).await;
+        let ready = condition(&status, "Ready");
+        assert_eq!(
+            (ready["status"].as_str(), ready["reason"].as_str()),
+            (Some("True"), Some("Reconciled")),
+            "{status}"
+        );
+        assert!(!status.to_string().contains("p@ss"), "no credentials in status");
+        call.respond(StatusCode::OK, &echo);
+        for _ in 0..3 {
+            let call = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;
+            assert!(!call.body.to_string().contains("p@ss"), "no credentials in Events");
+            let body = call.body.clone();
+            call.respond(StatusCode::CREATED, &body);
+        }
+    });
+    assert_eq!(run(p.clone(), ctx.clone()).await.unwrap(), Action::requeue(controller::FINDINGS_EVERY));
+    server.await.unwrap();
+    assert!(exists(&name).await, "declared on the cluster's broker");
+    // The operator's connections (the management API lists them once their statistics are in).
+    let users = || async {
+        let connections = mgmt_get("connections").await.unwrap_or_default();
+        connections
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| {
+                c["client_properties"]["connection_name"].as_str().is_some_and(|n| n.contains(&connection_name))
+            })
+            .filter_map(|c| c["user"].as_str().map(str::to_owned))
+            .collect::<Vec<String>>()
+    };
+    assert!(
+        eventually(Duration::from_secs(15), || async { !users().await.is_empty() }).await,
+        "the operator's connections are listed"
+    );
+    let seen = users().await;
+    assert!(seen.iter().all(|u| *u == user), "the operator logged in as {user}: {seen:?}");
+    remove_all(&plan_of(&p)).await;
+    rabbitmqctl(&["delete_user", &user]);
+}
+
+#[tokio::test]
+async fn a_cluster_reference_waits_for_the_cluster_and_its_default_user_and_says_why() {
+    let (ctx, mut api) = harness();
+    let p = cluster_policy("waiting", "rabbit", None);
+    let echo = serde_json::to_value(&p).unwrap();
+    let server = tokio::spawn(async move {
+        let mut reasons = Vec::new();
+        // Not there yet; then there, being made (no default user); then made, its Secret not yet.
+        for cluster in
+            [None, Some(rabbitmq_cluster("test", json!({}), false)), Some(rabbitmq_cluster("test", json!({}), true))]
+        {
+            let call = api.expect("GET", &format!("{CLUSTERS}/test/rabbitmqclusters/rabbit")).await;
+            let made = cluster.as_ref().is_some_and(|c| c["status"].get("defaultUser").is_some());
+            match cluster {
+                None => call.respond(StatusCode::NOT_FOUND, &not_found()),
+                Some(c) => call.respond(StatusCode::OK, &c),
+            }
+            if made {
+                api.expect("GET", "/api/v1/namespaces/test/secrets/rabbit-default-user")
+                    .await
+                    .respond(StatusCode::NOT_FOUND, &not_found());
+            }
+            let (status, call) = api.expect_status_patch("waiting").await;
+            let declared = condition(&status, "QueueDeclared");
+            reasons.push((
+                declared["reason"].as_str().unwrap().to_owned(),
+                declared["message"].as_str().unwrap().to_owned(),
+            ));
+            call.respond(StatusCode::OK, &echo);
+            let event = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;
+            let body = event.body.clone();
+            event.respond(StatusCode::CREATED, &body);
+        }
+        reasons
+    });
+    for _ in 0..3 {
+        assert_eq!(run(p.clone(), ctx.clone()).await.unwrap(), Action::requeue(queueguard::pass::SECRET_RETRY));
+    }
+    let reasons = server.await.unwrap();
+    assert_eq!(reasons[0].0, "RabbitmqClusterNotFound");
+    assert!(reasons[0].1.starts_with("RabbitmqCluster 'test/rabbit' not found"), "{}", reasons[0].1);
+    assert_eq!(reasons[1].0, "RabbitmqClusterNotReady");
+    assert!(reasons[1].1.contains("has no default user yet"), "{}", reasons[1].1);
+    assert_eq!(reasons[2].0, "SecretNotFound", "a cluster being made is read again, not kept");
+    assert_eq!(
+        reasons[2].1,
+        "Secret 'test/rabbit-default-user' (the default user of RabbitmqCluster 'test/rabbit') not found"
+    );
+}
+
+#[tokio::test]
+async fn another_namespaces_cluster_needs_its_leave_and_the_operator_its_rbac() {
+    let forbidden = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+        "message": "rabbitmqclusters.rabbitmq.com \"rabbit\" is forbidden"});
+    let not_listed =
+        rabbitmq_cluster("messaging", json!({"rabbitmq.com/topology-allowed-namespaces": "billing, shopping"}), true);
+    let mut messages = Vec::new();
+    for (code, answer) in [(StatusCode::OK, not_listed), (StatusCode::FORBIDDEN, forbidden)] {
+        let (ctx, mut api) = harness();
+        let p = cluster_policy("elsewhere", "rabbit", Some("messaging"));
+        let echo = serde_json::to_value(&p).unwrap();
+        let server = tokio::spawn(async move {
+            api.expect("GET", &format!("{CLUSTERS}/messaging/rabbitmqclusters/rabbit")).await.respond(code, &answer);
+            // No Secret is read: nothing follows but the status and its Event.
+            let (status, call) = api.expect_status_patch("elsewhere").await;
+            let declared = condition(&status, "QueueDeclared").clone();
+            call.respond(StatusCode::OK, &echo);
+            let event = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;
+            let body = event.body.clone();
+            event.respond(StatusCode::CREATED, &body);
+            declared
+        });
+        assert_eq!(run(p, ctx).await.unwrap(), Action::requeue(queueguard::pass::SECRET_RETRY));
+        let declared = server.await.unwrap();
+        assert_eq!(declared["reason"], "ClusterReferenceNotAllowed", "{declared}");
+        messages.push(declared["message"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(
+        messages[0],
+        "RabbitmqCluster 'messaging/rabbit' does not let namespace 'test' use it: its annotation rabbitmq.com/topology-allowed-namespaces must list 'test' (or '*'), as the Messaging Topology Operator requires"
+    );
+    assert!(messages[1].contains("rabbitmqClusterOperator.enabled=true"), "{}", messages[1]);
+}

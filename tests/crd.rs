@@ -171,6 +171,24 @@ fn queue_name_vhost_and_broker_are_immutable_and_the_type_changes_only_by_migrat
 }
 
 #[test]
+fn the_broker_is_a_secret_or_a_rabbitmq_cluster_never_both_and_stays_what_it_was() {
+    let exactly = ["spec.broker needs exactly one of secretRef and rabbitmqClusterReference"];
+    let cluster = json!({"rabbitmqClusterReference": {"name": "rabbit", "namespace": "messaging"}});
+    let on_cluster = with(&["broker"], cluster.clone());
+    assert!(rejections(&on_cluster, None).is_empty(), "{:?}", rejections(&on_cluster, None));
+    let both = with(&["broker", "rabbitmqClusterReference"], json!({"name": "rabbit"}));
+    assert_eq!(rejections(&both, None), exactly);
+    assert_eq!(rejections(&with(&["broker"], json!({"vhost": "orders"})), None), exactly);
+    assert_eq!(
+        rejections(&on_cluster, Some(&policy(base_spec()))),
+        ["spec.broker is immutable: create a new QueuePolicy for another broker"],
+        "a Secret's policy cannot move to a cluster"
+    );
+    let moved = with(&["broker"], json!({"rabbitmqClusterReference": {"name": "rabbit", "namespace": "other"}}));
+    assert_eq!(rejections(&moved, Some(&on_cluster)).len(), 1, "nor to another cluster");
+}
+
+#[test]
 fn consumers_take_a_name_or_a_selector() {
     let both = with(&["consumers"], json!({"deployment": "w", "selector": {"matchLabels": {"app": "w"}}}));
     assert_eq!(

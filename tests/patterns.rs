@@ -42,7 +42,13 @@ impl Watch {
         let p = pattern_doc(&prefix, &format!("pattern: '^{}\\.'\n  expires: {expires}", regex_escape(&prefix)));
         let plan = pattern::plan(&p, Limits { min_expires: Duration::from_millis(100) }).unwrap();
         let pool = BrokerPool::new(unique("patterns-op"));
-        let broker = pass::broker_for(&pool, "rabbitmq", None, &credentials()).unwrap();
+        let broker = pass::broker_for(
+            &pool,
+            &queueguard::broker_source::BrokerSource::Secret { name: "rabbitmq".into() },
+            None,
+            &credentials(),
+        )
+        .unwrap();
         let applied = pattern_broker::apply_policy(&plan, &broker).await;
         assert!(applied.is_ok(), "{applied:?}");
         Self { plan, broker, memory: WatchMemory::default(), prefix, _pool: pool }

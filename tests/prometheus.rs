@@ -248,7 +248,7 @@ async fn a_real_prometheus_scrapes_the_operator_fires_an_alert_and_answers_every
     let orders = unique("prom-orders");
     let ready = policy(&orders, "{expires: 30m}");
     let mut offline = policy_doc(&unique("prom-offline"), "queue: {expires: 30m}");
-    offline.spec.broker.secret_ref.name = "offline".into();
+    offline.spec.broker.secret_ref = Some(queueguard::crd::SecretRef { name: "offline".into() });
     let mut policies = BTreeMap::new();
     for p in [&ready, &offline] {
         let mut p = p.clone();

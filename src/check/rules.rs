@@ -5,6 +5,7 @@
 
 use super::{Finding, Manifests, ObjectId, PatternDoc, PatternState, PolicyDoc, PolicyState, Severity, WorkloadDoc};
 use crate::{
+    broker_source::BrokerSource,
     crd::{API_VERSION, GateMode, OnChange, QueuePolicy, QueueType},
     duration::Human,
     gate::guards,
@@ -662,21 +663,27 @@ fn lease(keep_alive: bool) -> (Severity, &'static str) {
     }
 }
 
-/// The broker a queue lives on, as far as manifests tell: the same Secret in the same namespace
-/// and the same vhost.
+/// The broker a queue lives on, as far as manifests tell: the same Secret or RabbitmqCluster
+/// (namespace, kind, name) and the same vhost.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Broker<'a> {
-    namespace: Option<&'a str>,
-    secret: &'a str,
+    source: (Option<&'a str>, &'static str, &'a str),
     vhost: Option<&'a str>,
 }
 
 fn broker_of<'a>(p: &'a Planned) -> Broker<'a> {
-    Broker { namespace: p.doc.id.namespace.as_deref(), secret: &p.plan.secret_name, vhost: p.plan.vhost.as_deref() }
+    Broker { source: source_of(&p.plan.broker, p.doc.id.namespace.as_deref()), vhost: p.plan.vhost.as_deref() }
 }
 
 fn pattern_broker_of<'a>(p: &'a PlannedPattern) -> Broker<'a> {
-    Broker { namespace: p.doc.id.namespace.as_deref(), secret: &p.plan.secret_name, vhost: p.plan.vhost.as_deref() }
+    Broker { source: source_of(&p.plan.broker, p.doc.id.namespace.as_deref()), vhost: p.plan.vhost.as_deref() }
+}
+
+fn source_of<'a>(source: &'a BrokerSource, ns: Option<&'a str>) -> (Option<&'a str>, &'static str, &'a str) {
+    match source {
+        BrokerSource::Secret { name } => (ns, "Secret", name),
+        BrokerSource::RabbitmqCluster { name, namespace } => (namespace.as_deref().or(ns), "RabbitmqCluster", name),
+    }
 }
 
 /// Something among the objects that gives the queues it matches an expiry: a QueuePolicy its own
@@ -924,10 +931,10 @@ fn duplicate_queue(f: &Facts) -> Vec<Finding> {
             Severity::Error,
             &p.doc.id,
             format!(
-                "it declares queue '{}' on the same broker as QueuePolicy '{}' (Secret '{}'{vhost}): RabbitMQ applies only one of their two operator policies to the queue (the other reports PolicyShadowed), and their settings, gates and deletion policies fight over one queue. Keep one QueuePolicy per queue.",
+                "it declares queue '{}' on the same broker as QueuePolicy '{}' ({}{vhost}): RabbitMQ applies only one of their two operator policies to the queue (the other reports PolicyShadowed), and their settings, gates and deletion policies fight over one queue. Keep one QueuePolicy per queue.",
                 p.plan.queue,
                 first.name(),
-                p.plan.secret_name
+                p.plan.broker
             ),
         ));
     }
@@ -958,7 +965,8 @@ fn unanchored_pattern(f: &Facts) -> Vec<Finding> {
 fn classic_queue_on_cluster(f: &Facts) -> Vec<Finding> {
     let mut out = Vec::new();
     for p in f.planned.iter().filter(|p| p.plan.queue_type == QueueType::Classic) {
-        let secret = (p.doc.id.namespace.clone(), p.plan.secret_name.clone());
+        let BrokerSource::Secret { name } = &p.plan.broker else { continue };
+        let secret = (p.doc.id.namespace.clone(), name.clone());
         let Some(nodes) = f.manifests.broker_nodes.get(&secret).filter(|n| n.len() > 1) else { continue };
         let change = match p.plan.on_change {
             OnChange::Refuse => {
@@ -975,7 +983,7 @@ fn classic_queue_on_cluster(f: &Facts) -> Vec<Finding> {
             format!(
                 "queue '{}' is a classic queue, and Secret '{}' names {} broker nodes ({}): a classic queue lives on one node, and while that node is down the queue is gone (404) with its messages, publishes to it are dropped, and its consumers on other nodes are cancelled. For messages that must survive a node, {change}. A cluster also needs the rabbitmq_event_exchange plugin on every node, or the operator polls for that node's consumers.",
                 p.plan.queue,
-                p.plan.secret_name,
+                name,
                 nodes.len(),
                 nodes.join(", ")
             ),

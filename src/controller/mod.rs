@@ -9,7 +9,7 @@ mod migration;
 pub mod pattern;
 mod policy;
 mod process;
-mod secrets;
+mod reads;
 mod status_writer;
 
 pub use policy::{error_policy, reconcile};
@@ -19,6 +19,7 @@ use self::gate_io::{Gate, SYNC_WAIT};
 use crate::sync::lock;
 use crate::{
     broker::BrokerPool,
+    broker_source::BrokerSource,
     claims::{self, Claims},
     consumers::TrackerPool,
     crd::{QueuePolicy, QueuePolicyStatus},
@@ -90,7 +91,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub limits: Limits,
-    secrets: secrets::Secrets,
+    secrets: reads::Secrets,
+    clusters: reads::Clusters,
 }
 
 /// What a QueuePolicy reconcile reaches for.
@@ -164,7 +166,8 @@ impl Context {
                 metrics,
                 client,
                 limits,
-                secrets: secrets::Secrets::default(),
+                secrets: reads::Secrets::default(),
+                clusters: reads::Clusters::default(),
             }),
             trackers,
             gate,
@@ -249,18 +252,81 @@ where
     result
 }
 
-/// The broker endpoint whose credentials Secret `secret_name` holds, or the condition saying
-/// why not.
-pub(crate) async fn broker_from_secret(
+/// The broker endpoint whose credentials `source` gives a policy in `ns`, or the condition
+/// saying why not.
+pub(crate) async fn broker_from_source(
     ctx: &Shared,
     ns: &str,
-    secret_name: &str,
+    source: &BrokerSource,
     vhost: Option<&str>,
 ) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
-    let Some(found) = ctx.secrets.get(&ctx.client, ns, secret_name).await? else {
-        return Ok(Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{secret_name}' not found"))));
+    let creds = match source {
+        BrokerSource::Secret { name } => match ctx.secrets.get(&ctx.client, ns, name).await? {
+            None => Err(Check::failed(Reason::SecretNotFound, format!("Secret '{ns}/{name}' not found"))),
+            Some(found) => secret::credentials(&found),
+        },
+        BrokerSource::RabbitmqCluster { name, namespace } => {
+            cluster_credentials(ctx, ns, namespace.as_deref().unwrap_or(ns), name).await?
+        }
     };
-    Ok(secret::credentials(&found).and_then(|creds| pass::broker_for(&ctx.brokers, secret_name, vhost, &creds)))
+    Ok(creds.and_then(|creds| pass::broker_for(&ctx.brokers, source, vhost, &creds)))
+}
+
+/// The credentials of RabbitmqCluster `cluster_ns/name` for a policy in `ns`: the cluster's
+/// status names its default user's Secret, in the cluster's namespace.
+async fn cluster_credentials(
+    ctx: &Shared,
+    ns: &str,
+    cluster_ns: &str,
+    name: &str,
+) -> Result<Result<crate::broker::BrokerCredentials, Check>, Error> {
+    let who = format!("RabbitmqCluster '{cluster_ns}/{name}'");
+    let cluster = match ctx.clusters.get(&ctx.client, cluster_ns, name).await {
+        Ok(Some(cluster)) => cluster,
+        Ok(None) => {
+            return Ok(Err(Check::failed(
+                Reason::RabbitmqClusterNotFound,
+                format!("{who} not found (is the RabbitMQ Cluster Operator's CRD installed, and the name right?)"),
+            )));
+        }
+        Err(kube::Error::Api(e)) if e.code == 403 => {
+            return Ok(Err(Check::failed(
+                Reason::ClusterReferenceNotAllowed,
+                format!(
+                    "the operator may not read {who}: install the chart with rabbitmqClusterOperator.enabled=true, which grants get on rabbitmqclusters"
+                ),
+            )));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if !cluster.allows(ns) {
+        return Ok(Err(Check::failed(
+            Reason::ClusterReferenceNotAllowed,
+            format!(
+                "{who} does not let namespace '{ns}' use it: its annotation {} must list '{ns}' (or '*'), as the Messaging Topology Operator requires",
+                crate::rabbitmq_cluster::ALLOWED_NAMESPACES
+            ),
+        )));
+    }
+    let user = match cluster.default_user_secret() {
+        Ok(user) => user,
+        Err(check) => {
+            // Being made: read it again next time rather than wait out the cache.
+            ctx.clusters.forget(cluster_ns, name);
+            return Ok(Err(check));
+        }
+    };
+    let Some(user) = ctx.secrets.get(&ctx.client, cluster_ns, user).await? else {
+        return Ok(Err(Check::failed(
+            Reason::SecretNotFound,
+            format!("Secret '{cluster_ns}/{user}' (the default user of {who}) not found"),
+        )));
+    };
+    let ca = match cluster.ca_secret() {
+        Some(ca) => ctx.secrets.get(&ctx.client, cluster_ns, ca).await?,
+        None => None,
+    };
+    Ok(cluster.credentials(&user, ca.as_ref()))
 }
 
 /// Publishes an Event; a failure is logged, never fatal to the reconcile.

@@ -3,7 +3,7 @@
 //! policy (the queues stay).
 
 use super::{
-    Error, FINDINGS_EVERY, PatternContext, broker_from_secret, finalized, publish_for, status_writer::write_status,
+    Error, FINDINGS_EVERY, PatternContext, broker_from_source, finalized, publish_for, status_writer::write_status,
 };
 use crate::{
     broker::management::LISTING_MAX_AGE,
@@ -47,7 +47,7 @@ async fn apply(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> 
     let me = ObjectRef::from_obj(p);
     let (ready, report, policy) = match pattern::plan(p, ctx.shared.limits) {
         Err(errors) => (Check::failed(Reason::InvalidSpec, plan::describe(&errors)), None, None),
-        Ok(plan) => match broker_from_secret(&ctx.shared, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
+        Ok(plan) => match broker_from_source(&ctx.shared, &ns, &plan.broker, plan.vhost.as_deref()).await? {
             Err(check) => (check, None, None),
             Ok(broker) => {
                 let mut applied = apply_policy(&plan, &broker).await;
@@ -98,7 +98,7 @@ async fn cleanup(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error
         .forget_pattern(&PolicyLabels { namespace: p.namespace().unwrap_or_default(), policy: p.name_any() });
     let Ok(plan) = pattern::plan(p, ctx.shared.limits) else { return Ok(Action::await_change()) };
     let ns = p.namespace().unwrap_or_else(|| "default".into());
-    let note = match broker_from_secret(&ctx.shared, &ns, &plan.secret_name, plan.vhost.as_deref()).await? {
+    let note = match broker_from_source(&ctx.shared, &ns, &plan.broker, plan.vhost.as_deref()).await? {
         Ok(broker) => match remove_policy(&plan, &broker).await {
             Ok(()) => format!("policy '{}' removed; the matching queues stay, without its expiry", plan.policy_name),
             Err(e) => return Err(Error::DeletionBlocked(format!("removing policy '{}': {e}", plan.policy_name))),

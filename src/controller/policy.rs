@@ -4,7 +4,7 @@
 //! the I/O they call for.
 
 use super::{
-    Context, Converged, Error, FINDINGS_EVERY, broker_from_secret, finalized,
+    Context, Converged, Error, FINDINGS_EVERY, broker_from_source, finalized,
     gate_io::{self, QueueWatch},
     migration::{self, Migrated},
     publish_for,
@@ -358,5 +358,5 @@ async fn broker_of_policy(
     ctx: &Context,
 ) -> Result<Result<Arc<crate::broker::Broker>, Check>, Error> {
     let ns = policy.namespace().unwrap_or_else(|| "default".into());
-    broker_from_secret(&ctx.shared, &ns, &plan.secret_name, plan.vhost.as_deref()).await
+    broker_from_source(&ctx.shared, &ns, &plan.broker, plan.vhost.as_deref()).await
 }

@@ -6,6 +6,7 @@ pub mod crd;
 pub mod status;
 
 use crate::{
+    broker_source::BrokerSource,
     duration,
     plan::{Errors, FieldError, Limits, MAX_EXPIRY_MS},
 };
@@ -21,7 +22,8 @@ pub struct PatternPlan {
     pub policy_name: String,
     pub pattern: String,
     pub vhost: Option<String>,
-    pub secret_name: String,
+    /// Where the broker's credentials come from.
+    pub broker: BrokerSource,
     pub priority: i64,
     pub definition: Map<String, Value>,
     pub ignore: Vec<PatternFinding>,
@@ -54,9 +56,7 @@ pub fn plan(p: &QueuePattern, limits: Limits) -> Result<PatternPlan, Vec<FieldEr
     if !(0..100).contains(&spec.priority) {
         errors.add("spec.priority", "must be between 0 and 99, below the QueuePolicies' 100");
     }
-    if spec.broker.secret_ref.name.is_empty() {
-        errors.add("spec.broker.secretRef.name", "must be set");
-    }
+    let broker = crate::plan::broker_source(&mut errors, &spec.broker);
     if spec.broker.vhost.as_deref().is_some_and(|v| !crate::broker::management::addressable(v)) {
         errors.add("spec.broker.vhost", "must not be '.' or '..': management API paths read them as dot segments");
     }
@@ -77,7 +77,7 @@ pub fn plan(p: &QueuePattern, limits: Limits) -> Result<PatternPlan, Vec<FieldEr
         policy_name: format!("queueguard.pattern.{namespace}.{name}"),
         pattern: spec.pattern.clone(),
         vhost: spec.broker.vhost.clone(),
-        secret_name: spec.broker.secret_ref.name.clone(),
+        broker: broker.unwrap_or(BrokerSource::Secret { name: String::new() }),
         priority: spec.priority.into(),
         definition,
         ignore: spec.ignore.clone(),

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod gate;
+pub mod schema;
 pub mod traffic;
 
 use lapin::{

@@ -1,4 +1,5 @@
-//! Broker Secrets, read through a short-lived cache.
+//! What the operator reads and does not watch (broker Secrets, RabbitmqClusters), through a
+//! short-lived cache.
 //!
 //! The operator may only `get` Secrets: list or watch would let it read, and hold in memory,
 //! every Secret in its scope. Without a cache every reconcile reads its Secret again: 1,000
@@ -6,11 +7,13 @@
 //! A read serves every reconcile for [`SECRET_TTL`], so a rotated Secret is in use within that
 //! time (and, as the Secret is not watched, from the next reconcile after it). The time is longer
 //! than the 20 s between the findings' looks, so a fleet at rest costs one read per Secret a
-//! minute, however many policies use it (`cargo bench --bench fleet`).
+//! minute, however many policies use it (`cargo bench --bench fleet`). A RabbitmqCluster is read
+//! the same way: its default user's Secret can be replaced, and a cluster can change its TLS.
 
-use crate::sync::lock;
+use crate::{rabbitmq_cluster::RabbitmqCluster, sync::lock};
 use k8s_openapi::api::core::v1::Secret;
-use kube::{Api, Client};
+use kube::{Api, Client, Resource, core::NamespaceResourceScope};
+use serde::de::DeserializeOwned;
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
@@ -18,21 +21,38 @@ use std::{
 };
 use tokio::time::Instant;
 
-/// How long one read of a Secret serves.
+/// How long one read of an object serves.
 pub const SECRET_TTL: Duration = Duration::from_secs(60);
 
-type Slot = Arc<tokio::sync::Mutex<Option<(Instant, Secret)>>>;
+type Slot<K> = Arc<tokio::sync::Mutex<Option<(Instant, K)>>>;
 
-#[derive(Default)]
-pub struct Secrets {
-    slots: Mutex<HashMap<(String, String), Slot>>,
+/// Objects of kind `K` by namespace and name, each read at most once per [`SECRET_TTL`].
+pub struct Reads<K> {
+    slots: Mutex<HashMap<(String, String), Slot<K>>>,
 }
 
-impl Secrets {
-    /// The Secret `ns/name`, read from the API unless a read at most [`SECRET_TTL`] old is at
-    /// hand. Concurrent callers for one Secret share a single read. Absence is never kept: a
-    /// Secret created after its policy is found by the next reconcile.
-    pub async fn get(&self, client: &Client, ns: &str, name: &str) -> Result<Option<Secret>, kube::Error> {
+pub type Secrets = Reads<Secret>;
+pub type Clusters = Reads<RabbitmqCluster>;
+
+impl<K> Default for Reads<K> {
+    fn default() -> Self {
+        Self { slots: Mutex::default() }
+    }
+}
+
+/// What of an object is kept: only what the operator reads from it.
+pub trait Kept {
+    fn kept(self) -> Self;
+}
+
+impl<K> Reads<K>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Kept + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    /// The object `ns/name`, read from the API unless a read at most [`SECRET_TTL`] old is at
+    /// hand. Concurrent callers for one object share a single read. Absence is never kept: an
+    /// object created after its policy is found by the next reconcile.
+    pub async fn get(&self, client: &Client, ns: &str, name: &str) -> Result<Option<K>, kube::Error> {
         let slot = {
             let mut slots = lock(&self.slots);
             evict_stale(&mut slots, Instant::now());
@@ -40,18 +60,26 @@ impl Secrets {
         };
         let mut kept = slot.lock().await;
         let now = Instant::now();
-        if let Some((_, secret)) = kept.as_ref().filter(|(read_at, _)| fresh(*read_at, now)) {
-            return Ok(Some(secret.clone()));
+        if let Some((_, object)) = kept.as_ref().filter(|(read_at, _)| fresh(*read_at, now)) {
+            return Ok(Some(object.clone()));
         }
-        let found = Api::<Secret>::namespaced(client.clone(), ns).get_opt(name).await?.map(trimmed);
+        let found = Api::<K>::namespaced(client.clone(), ns).get_opt(name).await?.map(Kept::kept);
         *kept = found.clone().map(|s| (now, s));
         Ok(found)
     }
 }
 
-/// Lets go of reads past their time and of absences: a Secret no policy reads any more (or
+impl<K> Reads<K> {
+    /// Drops the read of `ns/name`, so the next `get` reads it again: for an object read in a
+    /// state that will change soon (a RabbitmqCluster still being made).
+    pub fn forget(&self, ns: &str, name: &str) {
+        lock(&self.slots).remove(&(ns.to_owned(), name.to_owned()));
+    }
+}
+
+/// Lets go of reads past their time and of absences: an object no policy reads any more (or
 /// deleted) is not kept. A slot in use (its read under way) stays.
-fn evict_stale(slots: &mut HashMap<(String, String), Slot>, now: Instant) {
+fn evict_stale<K>(slots: &mut HashMap<(String, String), Slot<K>>, now: Instant) {
     slots.retain(|_, slot| match slot.try_lock() {
         Ok(kept) => kept.as_ref().is_some_and(|(read_at, _)| fresh(*read_at, now)),
         Err(_) => true,
@@ -62,16 +90,35 @@ fn fresh(read_at: Instant, now: Instant) -> bool {
     now.saturating_duration_since(read_at) < SECRET_TTL
 }
 
-/// Only what the credentials are read from: the name and the keys the operator reads (a
-/// Secret shared with an application may hold much else, none of it the operator's to keep).
-fn trimmed(secret: Secret) -> Secret {
-    let data = secret.data.map(|mut d| {
-        d.retain(|k, _| crate::secret::KEYS.contains(&k.as_str()));
-        d
-    });
-    let mut kept = Secret { data, ..Default::default() };
-    kept.metadata.name = secret.metadata.name;
-    kept
+/// A Secret: the name and the keys the operator reads (a Secret shared with an application may
+/// hold much else, none of it the operator's to keep).
+impl Kept for Secret {
+    fn kept(self) -> Self {
+        let data = self.data.map(|mut d| {
+            d.retain(|k, _| crate::secret::KEYS.contains(&k.as_str()));
+            d
+        });
+        let mut kept = Secret { data, ..Default::default() };
+        kept.metadata.name = self.metadata.name;
+        kept
+    }
+}
+
+/// A RabbitmqCluster: the modelled fields, and of its annotations the one that lets other
+/// namespaces use it.
+impl Kept for RabbitmqCluster {
+    fn kept(mut self) -> Self {
+        let allowed = self
+            .metadata
+            .annotations
+            .take()
+            .and_then(|mut a| a.remove_entry(crate::rabbitmq_cluster::ALLOWED_NAMESPACES));
+        let mut kept = RabbitmqCluster::new(self.metadata.name.as_deref().unwrap_or_default(), self.spec);
+        kept.metadata.namespace = self.metadata.namespace;
+        kept.metadata.annotations = allowed.map(|entry| [entry].into());
+        kept.status = self.status;
+        kept
+    }
 }
 
 #[cfg(test)]
@@ -92,12 +139,12 @@ mod tests {
     async fn reads_past_their_time_are_let_go_of() {
         let secrets = Secrets::default();
         let read = |name: &str| {
-            let slot: Slot = Arc::default();
+            let slot: Slot<Secret> = Arc::default();
             *slot.try_lock().unwrap() = Some((Instant::now(), Secret::default()));
             ((String::from("ns"), name.to_owned()), slot)
         };
         secrets.slots.lock().unwrap().extend([read("a"), read("b")]);
-        secrets.slots.lock().unwrap().insert(("ns".into(), "absent".into()), Slot::default());
+        secrets.slots.lock().unwrap().insert(("ns".into(), "absent".into()), Slot::<Secret>::default());
         tokio::time::advance(SECRET_TTL / 2).await;
         secrets.slots.lock().unwrap().extend([read("c")]);
         evict_stale(&mut secrets.slots.lock().unwrap(), Instant::now());
