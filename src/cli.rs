@@ -307,6 +307,10 @@ pub struct RunArgs {
     pub http_addr: SocketAddr,
     /// Run the controller only while holding a coordination.k8s.io Lease, so that of several
     /// replicas exactly one acts.
+    /// Watch the Messaging Topology Operator's Queues (queues.rabbitmq.com): a QueuePolicy for
+    /// a queue one of them declares stands back (ManagedElsewhere) unless it says adopt: true.
+    #[arg(long, env = "QUEUEGUARD_TOPOLOGY_QUEUES")]
+    pub topology_queues: bool,
     #[arg(long, env = "QUEUEGUARD_LEADER_ELECTION")]
     pub leader_election: bool,
     /// Name of the leader Lease.
@@ -346,6 +350,7 @@ impl RunArgs {
             only_namespaces: (!only.is_empty()).then_some(only),
             connection_name: self.connection_name.clone(),
             http_addr: self.http_addr,
+            topology_queues: self.topology_queues,
             lease: self.lease()?,
             webhook: self.webhook()?,
         })

@@ -8,7 +8,7 @@ use crate::{
     broker::{
         Broker,
         amqp::AmqpError,
-        management::{LISTING_MAX_AGE, ManagementError},
+        management::{LISTING_MAX_AGE, ManagementError, QueueInfo},
         refusal::{ACCESS_REFUSED, Inequivalence, NOT_FOUND, PRECONDITION_FAILED, Refusal},
     },
     claims::Claims,
@@ -161,6 +161,49 @@ async fn converge_once(
     })
 }
 
+/// A queue another tool declares (spec.adopt): only looked at, through the management API, and
+/// nothing declared, bound or set. `owner` names that tool's object when the operator knows it.
+pub async fn adopted(plan: &QueuePlan, broker: &Broker, owner: Option<&str>) -> Outcome {
+    let vhost = broker.vhost();
+    let who =
+        owner.map_or_else(|| "its owner".to_owned(), |o| format!("Queue '{o}' of the Messaging Topology Operator"));
+    let info = match broker.management.queue(vhost, &plan.queue).await {
+        Ok(info) => info,
+        Err(e @ ManagementError::Unreachable { .. }) => return unreachable(e.to_string()),
+        Err(e) => return Outcome::blocked(policy_failure(e)),
+    };
+    let Some(info) = info else {
+        return Outcome::blocked(Check::failed(
+            Reason::QueueNotFound,
+            format!("queue '{}' in vhost '{vhost}' does not exist; with adopt: true, {who} declares it", plan.queue),
+        ));
+    };
+    let theirs =
+        |what: &str| Check::ok(Reason::Adopted, format!("{what} of queue '{}' are {who}'s (adopt: true)", plan.queue));
+    let mut outcome = Outcome::blocked(theirs("the settings"));
+    outcome.queue = Check::ok(
+        Reason::Adopted,
+        format!(
+            "queue '{}' in vhost '{vhost}' is declared by {who} (adopt: true): queueguard reports on it and guards its consumers, and declares nothing",
+            plan.queue
+        ),
+    );
+    outcome.dead_letter = theirs("the dead-letter exchange and queue");
+    outcome.queue_observation = Some(observed(plan, vhost, &info));
+    outcome
+}
+
+/// What the management API says of the plan's queue.
+fn observed(plan: &QueuePlan, vhost: &str, info: &QueueInfo) -> QueueObservation {
+    QueueObservation {
+        name: plan.queue.clone(),
+        vhost: vhost.to_owned(),
+        messages_ready: info.messages_ready,
+        messages_unacknowledged: info.messages_unacknowledged,
+        consumers: info.consumers,
+    }
+}
+
 fn unreachable(message: String) -> Outcome {
     Outcome::blocked(Check::unknown(Reason::BrokerUnreachable, message))
 }
@@ -235,13 +278,7 @@ async fn inspect_queue(plan: &QueuePlan, broker: &Broker, vhost: &str) -> Result
     if let Some(first) = diffs.into_iter().next() {
         return Err(StepError::Refused(Refused::Conflict(first, None)));
     }
-    Ok(QueueObservation {
-        name: plan.queue.clone(),
-        vhost: vhost.to_owned(),
-        messages_ready: info.messages_ready,
-        messages_unacknowledged: info.messages_unacknowledged,
-        consumers: info.consumers,
-    })
+    Ok(observed(plan, vhost, &info))
 }
 
 fn management_step_error(e: ManagementError) -> StepError {

@@ -49,6 +49,7 @@ pub const API_VERSION: &str = "queueguard.io/v1alpha1";
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.adopt) && self.adopt && has(self.deletionPolicy) && self.deletionPolicy == 'Delete')").message("adopt: true leaves the queue to its owner, so deletionPolicy must be Retain"))]
 pub struct QueuePolicySpec {
     /// Where the broker is and how to log in. Immutable: pointing a policy at another broker
     /// would orphan the queue and its messages on the old one.
@@ -66,6 +67,12 @@ pub struct QueuePolicySpec {
     /// its broker policy in place; Delete removes it only if it is empty and has no consumers.
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// The queue belongs to another tool (a Messaging Topology Operator `Queue` that declares
+    /// it): report on it and guard its consumers' rollouts, but never declare it or its
+    /// dead-letter queue, set a broker policy on it, or delete it. Without it, a Topology
+    /// Operator Queue for the same queue and vhost makes the policy stand back (ManagedElsewhere).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adopt: bool,
     /// Consumer hygiene findings reported on the queue, judged from live broker data.
     #[serde(default)]
     pub findings: FindingsSpec,

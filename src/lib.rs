@@ -44,6 +44,7 @@ pub mod simulation;
 pub mod status;
 pub mod sync;
 pub mod tls;
+pub mod topology;
 pub mod uninstall;
 pub mod webhook;
 pub mod workload;

@@ -78,6 +78,8 @@ pub struct QueuePlan {
     /// Name of the operator-owned broker policy (Policy mode).
     pub policy_name: String,
     pub deletion: DeletionPolicy,
+    /// Only report and guard: the queue is declared by its owner (spec.adopt).
+    pub adopt: bool,
     /// Where the broker's credentials come from.
     pub broker: BrokerSource,
     /// The rollout gate, when spec.consumers names the consumers.
@@ -193,6 +195,12 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
     let stall_after = errors.duration("spec.findings.stallAfter", &spec.findings.stall_after).unwrap_or_default();
 
     let broker = broker_source(&mut errors, &spec.broker);
+    if spec.adopt && spec.deletion_policy == DeletionPolicy::Delete {
+        errors.add("spec.deletionPolicy", "must be Retain with adopt: true (the queue is its owner's to delete)");
+    }
+    if spec.adopt && q.on_change == OnChange::Migrate {
+        errors.add("spec.queue.onChange", "must be Refuse with adopt: true (a migration declares the queue anew)");
+    }
     if spec.broker.vhost.as_deref() == Some("") {
         errors.add("spec.broker.vhost", "must not be empty (omit it to use the URI's vhost)");
     } else if spec.broker.vhost.as_deref().is_some_and(|v| !addressable(v)) {
@@ -227,6 +235,7 @@ pub fn plan(policy: &QueuePolicy, limits: Limits) -> Result<QueuePlan, Vec<Field
         },
         bindings,
         deletion: spec.deletion_policy,
+        adopt: spec.adopt,
         broker: broker.unwrap_or(BrokerSource::Secret { name: String::new() }),
         gate: spec.consumers.clone().map(|consumers| GatePlan {
             mode: spec.gate.mode,
@@ -360,6 +369,26 @@ mod tests {
         assert_eq!(p.dead_letter_queue, "parking");
         assert_eq!(p.bindings.len(), 2, "duplicates removed: {:?}", p.bindings);
         assert_eq!(p.bindings[0].exchange, "a");
+    }
+
+    #[test]
+    fn an_adopted_queue_is_neither_deleted_nor_migrated_and_the_broker_has_one_source() {
+        let mut p = policy_yaml("{type: quorum, onChange: Migrate}");
+        p.spec.adopt = true;
+        p.spec.deletion_policy = DeletionPolicy::Delete;
+        let errs: Vec<String> = plan(&p, Limits::default()).unwrap_err().iter().map(ToString::to_string).collect();
+        assert_eq!(
+            errs,
+            [
+                "spec.deletionPolicy: must be Retain with adopt: true (the queue is its owner's to delete)",
+                "spec.queue.onChange: must be Refuse with adopt: true (a migration declares the queue anew)"
+            ]
+        );
+        let mut both = policy_yaml("{}");
+        both.spec.broker.rabbitmq_cluster_reference =
+            Some(crate::crd::RabbitmqClusterReference { name: "rabbit".into(), namespace: None });
+        let errs: Vec<String> = plan(&both, Limits::default()).unwrap_err().iter().map(ToString::to_string).collect();
+        assert_eq!(errs, ["spec.broker: needs exactly one of secretRef and rabbitmqClusterReference"]);
     }
 
     #[test]

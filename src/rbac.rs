@@ -31,6 +31,8 @@ pub enum Feature {
     WebhookSelfSigned,
     /// QueuePolicies naming a RabbitMQ Cluster Operator's RabbitmqCluster.
     RabbitmqClusters,
+    /// The Messaging Topology Operator's Queues, watched (`--topology-queues`).
+    TopologyQueues,
     /// The chart's pre-delete hook (`queueguard uninstall`), which stops the operator's own
     /// Deployment before removing the finalizers.
     UninstallHook,
@@ -68,6 +70,13 @@ pub const RULES: &[Rule] = &[
         verbs: &["get"],
         scope: Scope::Watched,
         feature: Some(Feature::RabbitmqClusters),
+    },
+    Rule {
+        group: "rabbitmq.com",
+        resource: "queues",
+        verbs: &["list", "watch"],
+        scope: Scope::Watched,
+        feature: Some(Feature::TopologyQueues),
     },
     Rule {
         group: "coordination.k8s.io",

@@ -61,6 +61,7 @@ pub enum Reason {
     RabbitmqClusterNotReady,
     ClusterReferenceNotAllowed,
     ManagedElsewhere,
+    Adopted,
     InvalidSpec,
     DeletionBlocked,
     QueueDeleted,

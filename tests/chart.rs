@@ -311,7 +311,13 @@ fn rbac_grants_exactly_what_the_code_uses() {
         (None, &[Feature::LeaderElection, Feature::UninstallHook]),
         (
             Some("charts/queueguard/ci/all-enabled-values.yaml"),
-            &[Feature::LeaderElection, Feature::WebhookSelfSigned, Feature::UninstallHook, Feature::RabbitmqClusters],
+            &[
+                Feature::LeaderElection,
+                Feature::WebhookSelfSigned,
+                Feature::UninstallHook,
+                Feature::RabbitmqClusters,
+                Feature::TopologyQueues,
+            ],
         ),
         (Some("charts/queueguard/ci/cert-manager-values.yaml"), &[Feature::LeaderElection, Feature::UninstallHook]),
         (Some("charts/queueguard/ci/namespace-scope-values.yaml"), &[Feature::LeaderElection, Feature::UninstallHook]),

@@ -1372,3 +1372,113 @@ async fn another_namespaces_cluster_needs_its_leave_and_the_operator_its_rbac() 
     );
     assert!(messages[1].contains("rabbitmqClusterOperator.enabled=true"), "{}", messages[1]);
 }
+
+// --- Queues of the Messaging Topology Operator -----------------------------------------------
+
+/// A context whose watch of the Topology Operator's Queues holds `queues`.
+fn with_topology_queues(queues: &[Value]) -> (Arc<Context>, ApiServer) {
+    use kube::runtime::{reflector, watcher::Event};
+    let (ctx, api) = harness();
+    let (store, mut writer) = reflector::store::<queueguard::topology::Queue>();
+    writer.apply_watcher_event(&Event::Init);
+    for q in queues {
+        writer.apply_watcher_event(&Event::InitApply(serde_json::from_value(q.clone()).unwrap()));
+    }
+    writer.apply_watcher_event(&Event::InitDone);
+    ctx.know_topology_queues(store);
+    (ctx, api)
+}
+
+/// The cluster, its default user (the test broker's guest) and the status patch of a pass,
+/// then whatever Events follow; the status.
+async fn serve_cluster_pass(api: &mut ApiServer, name: &str, echo: &Value, read: bool) -> Value {
+    if read {
+        api.expect("GET", &format!("{CLUSTERS}/test/rabbitmqclusters/rabbit"))
+            .await
+            .respond(StatusCode::OK, &rabbitmq_cluster("test", json!({}), true));
+        let (host, port) = test_broker_address().unwrap();
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbit-default-user")
+            .await
+            .respond(StatusCode::OK, &default_user("test", "guest", "guest", &host, port));
+    }
+    let (status, call) = api.expect_status_patch(name).await;
+    call.respond(StatusCode::OK, echo);
+    while let Some(call) = api.next(Duration::from_millis(500)).await {
+        assert_eq!(
+            (call.method.as_str(), call.path.as_str()),
+            ("POST", "/apis/events.k8s.io/v1/namespaces/test/events")
+        );
+        let body = call.body.clone();
+        call.respond(StatusCode::CREATED, &body);
+    }
+    status
+}
+
+#[tokio::test]
+async fn a_queue_a_topology_operator_queue_declares_is_left_alone_and_with_adopt_only_reported() {
+    if test_broker_address().is_none() {
+        eprintln!("SKIPPED: the test broker's management API is not on port 15672 beside AMQP");
+        return;
+    }
+    let name = unique("topology");
+    let theirs = json!({"apiVersion": "rabbitmq.com/v1beta1", "kind": "Queue",
+        "metadata": {"name": "orders-queue", "namespace": "test"},
+        "spec": {"name": name, "type": "quorum", "durable": true, "rabbitmqClusterReference": {"name": "rabbit"}}});
+    let (ctx, mut api) = with_topology_queues(&[theirs]);
+    let p = cluster_policy(&name, "rabbit", None);
+    let echo = serde_json::to_value(&p).unwrap();
+    let server = {
+        let name = name.clone();
+        tokio::spawn(async move { (serve_cluster_pass(&mut api, &name, &echo, true).await, api) })
+    };
+    assert_eq!(run(p.clone(), ctx.clone()).await.unwrap(), Action::requeue(queueguard::pass::CONFLICT_RETRY));
+    let (status, mut api) = server.await.unwrap();
+    let declared = condition(&status, "QueueDeclared");
+    assert_eq!((declared["status"].as_str(), declared["reason"].as_str()), (Some("False"), Some("ManagedElsewhere")));
+    assert_eq!(
+        declared["message"],
+        format!(
+            "queue '{name}' in vhost '/' is managed by Queue 'test/orders-queue' of the Messaging Topology Operator: queueguard touches nothing. Set spec.adopt: true to report on it and guard its consumers beside that Queue, or delete the Queue to have queueguard declare it"
+        )
+    );
+    let plan = plan_of(&p);
+    assert!(!exists(&name).await && !exists(&plan.dead_letter_queue).await, "nothing declared");
+
+    // The Topology Operator declares it (a quorum queue, arguments of its own) and it fills.
+    let (_conn, ch) = app().await;
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString("quorum".into()));
+    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongLongInt(1000));
+    let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(name.as_str().into(), durable, args).await.unwrap();
+    publish(&name, (0..3).map(|i| format!("m{i}"))).await;
+    let mut adopting = p.clone();
+    adopting.spec.adopt = true;
+    adopting.metadata.generation = Some(2);
+    let echo = serde_json::to_value(&adopting).unwrap();
+    let server = {
+        let name = name.clone();
+        tokio::spawn(async move { serve_cluster_pass(&mut api, &name, &echo, false).await })
+    };
+    assert_eq!(run(adopting, ctx).await.unwrap(), Action::requeue(controller::FINDINGS_EVERY));
+    let status = server.await.unwrap();
+    let declared = condition(&status, "QueueDeclared");
+    assert_eq!((declared["status"].as_str(), declared["reason"].as_str()), (Some("True"), Some("Adopted")), "{status}");
+    assert!(
+        declared["message"]
+            .as_str()
+            .unwrap()
+            .contains("declared by Queue 'test/orders-queue' of the Messaging Topology Operator")
+    );
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+    let messages_ready = eventually(Duration::from_secs(10), || async {
+        mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.is_some_and(|q| q["messages_ready"] == 3)
+    });
+    assert!(messages_ready.await);
+    assert!(status["brokerPolicy"].is_null(), "no broker policy: {status}");
+    assert!(mgmt_get(&format!("policies/%2F/queueguard.test.{}", enc(&name))).await.is_none(), "none on the broker");
+    assert!(!exists(&plan.dead_letter_queue).await, "no dead-letter queue of queueguard's");
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
+    assert_eq!(q["arguments"], json!({"x-queue-type": "quorum", "x-max-length": 1000}), "their arguments, untouched");
+    common::delete_queues(&[&name]).await;
+}

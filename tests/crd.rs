@@ -189,6 +189,18 @@ fn the_broker_is_a_secret_or_a_rabbitmq_cluster_never_both_and_stays_what_it_was
 }
 
 #[test]
+fn an_adopted_queue_is_never_deleted_by_its_policy() {
+    let adopted = with(&["adopt"], json!(true));
+    assert!(rejections(&adopted, None).is_empty());
+    let mut deleting = adopted.clone();
+    deleting["spec"]["deletionPolicy"] = json!("Delete");
+    assert_eq!(
+        rejections(&deleting, None),
+        ["adopt: true leaves the queue to its owner, so deletionPolicy must be Retain"]
+    );
+}
+
+#[test]
 fn consumers_take_a_name_or_a_selector() {
     let both = with(&["consumers"], json!({"deployment": "w", "selector": {"matchLabels": {"app": "w"}}}));
     assert_eq!(

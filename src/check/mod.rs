@@ -109,7 +109,8 @@ pub struct Manifests {
     pub objects: usize,
 }
 
-/// What QG014 reads of a Messaging Topology Operator `Queue`: how it is declared.
+/// What QG014 and QG015 read of a Messaging Topology Operator `Queue`: how and where it is
+/// declared.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TopologyQueueDoc {
     pub id: ObjectId,
@@ -119,6 +120,8 @@ pub struct TopologyQueueDoc {
     pub exclusive: bool,
     /// The x- arguments it declares, as given.
     pub arguments: std::collections::BTreeMap<String, serde_yaml_ng::Value>,
+    /// Where it declares the queue: its name, vhost and cluster.
+    pub queue: crate::topology::Queue,
 }
 
 /// How bad a finding is. Both make `queueguard check` exit 1.

@@ -196,6 +196,10 @@ struct TopologyQueueSpec {
     exclusive: bool,
     #[serde(default)]
     arguments: BTreeMap<String, Value>,
+    #[serde(default)]
+    vhost: Option<String>,
+    #[serde(default, rename = "rabbitmqClusterReference")]
+    cluster: crate::topology::ClusterReference,
 }
 
 /// Reads one file's text into `into`, after what earlier files gave. `file` names it in
@@ -254,12 +258,22 @@ pub fn read(file: &str, text: &str, into: &mut Manifests) -> Result<(), ReadErro
             Object::TopologyQueue(q) => {
                 let id = id("Queue", &q.metadata);
                 let name = q.spec.name.clone().unwrap_or_else(|| id.name.clone());
+                let mut queue = crate::topology::Queue::new(
+                    &id.name,
+                    crate::topology::QueueSpec {
+                        name: name.clone(),
+                        vhost: q.spec.vhost,
+                        rabbitmq_cluster_reference: q.spec.cluster,
+                    },
+                );
+                queue.metadata.namespace = id.namespace.clone();
                 into.topology_queues.push(TopologyQueueDoc {
                     id,
                     name,
                     durable: q.spec.durable,
                     exclusive: q.spec.exclusive,
                     arguments: q.spec.arguments,
+                    queue,
                 });
             }
             Object::Other => {}

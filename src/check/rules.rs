@@ -47,10 +47,11 @@ pub enum Rule {
     UnanchoredPattern,
     ClassicQueueOnCluster,
     RefusedByNewerRabbitmq,
+    ManagedElsewhere,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 14] = [
+    pub const ALL: [Rule; 15] = [
         Rule::InvalidPolicy,
         Rule::UnsafeRolloutStrategy,
         Rule::MissingReadinessGate,
@@ -65,6 +66,7 @@ impl Rule {
         Rule::UnanchoredPattern,
         Rule::ClassicQueueOnCluster,
         Rule::RefusedByNewerRabbitmq,
+        Rule::ManagedElsewhere,
     ];
 
     pub fn id(self) -> &'static str {
@@ -83,6 +85,7 @@ impl Rule {
             Self::UnanchoredPattern => "QG012",
             Self::ClassicQueueOnCluster => "QG013",
             Self::RefusedByNewerRabbitmq => "QG014",
+            Self::ManagedElsewhere => "QG015",
         }
     }
 
@@ -133,6 +136,9 @@ impl Rule {
             Self::RefusedByNewerRabbitmq => {
                 "a Messaging Topology Operator Queue that RabbitMQ 4.3 refuses to declare: transient (durable false) and not exclusive, or with x-queue-mode, or x-queue-version 1"
             }
+            Self::ManagedElsewhere => {
+                "a QueuePolicy, without adopt: true, for a queue a Messaging Topology Operator Queue declares on the same RabbitmqCluster and vhost: the operator will touch nothing"
+            }
         }
     }
 
@@ -152,6 +158,7 @@ impl Rule {
             Self::UnanchoredPattern => unanchored_pattern(f),
             Self::ClassicQueueOnCluster => classic_queue_on_cluster(f),
             Self::RefusedByNewerRabbitmq => refused_by_rabbitmq_4_3(f),
+            Self::ManagedElsewhere => managed_elsewhere(f),
         }
     }
 }
@@ -1027,6 +1034,33 @@ fn refused_by_rabbitmq_4_3(f: &Facts) -> Vec<Finding> {
     out
 }
 
+/// QG015: a policy for a queue the Messaging Topology Operator declares. Only policies on a
+/// RabbitmqCluster can be compared: a Secret's broker address is not read here.
+fn managed_elsewhere(f: &Facts) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for p in f.planned.iter().filter(|p| !p.plan.adopt && matches!(p.plan.broker, BrokerSource::RabbitmqCluster { .. }))
+    {
+        let place = crate::topology::Place {
+            namespace: p.doc.id.namespace.as_deref().unwrap_or("default"),
+            source: &p.plan.broker,
+            hosts: vec![],
+            vhost: p.plan.vhost.as_deref().unwrap_or("/"),
+        };
+        let queues = f.manifests.topology_queues.iter().map(|q| &q.queue);
+        let Some(owner) = crate::topology::managed_elsewhere(&p.plan.queue, &place, queues) else { continue };
+        out.push(finding(
+            Rule::ManagedElsewhere,
+            Severity::Error,
+            &p.doc.id,
+            format!(
+                "queue '{}' in vhost '{}' is declared by Queue '{owner}' of the Messaging Topology Operator on the same {}: the operator will touch nothing and report ManagedElsewhere. Set spec.adopt: true to have it report on the queue and guard its consumers beside that Queue (during a move from one to the other), or remove one of the two.",
+                p.plan.queue, place.vhost, p.plan.broker
+            ),
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1330,6 +1364,29 @@ mod tests {
                 && transient.message.contains("durable is false")
         );
         assert_eq!(transient.severity, Severity::Warning);
+    }
+
+    #[test]
+    fn qg015_a_policy_for_a_queue_the_topology_operator_declares() {
+        let on_cluster = |name: &str, rest: &str| {
+            format!(
+                "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  broker: {{rabbitmqClusterReference: {{name: rmq}}}}\n  queue: {{name: orders}}\n{rest}---\n"
+            )
+        };
+        let theirs = "apiVersion: rabbitmq.com/v1beta1\nkind: Queue\nmetadata: {name: orders, namespace: shop}\nspec: {name: orders, durable: true, rabbitmqClusterReference: {name: rmq}}\n---\n";
+        let f = only(&(on_cluster("orders", "") + theirs), Rule::ManagedElsewhere);
+        assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
+        assert_eq!(f.severity, Severity::Error);
+        assert!(f.message.starts_with("queue 'orders' in vhost '/' is declared by Queue 'shop/orders' of the Messaging Topology Operator on the same RabbitmqCluster 'rmq'"), "{}", f.message);
+        assert!(found(&(on_cluster("orders", "  adopt: true\n") + theirs)).is_empty(), "adopted");
+        let elsewhere = theirs.replace("{name: rmq}", "{name: rmq2}");
+        assert!(found(&(on_cluster("orders", "") + &elsewhere)).is_empty(), "another cluster");
+        let other_vhost = theirs.replace("name: orders, durable", "name: orders, vhost: billing, durable");
+        assert!(found(&(on_cluster("orders", "") + &other_vhost)).is_empty(), "another vhost");
+        assert!(
+            found(&(policy("orders", "{name: orders}", "") + theirs)).is_empty(),
+            "a Secret's address is not known here"
+        );
     }
 
     #[test]

@@ -108,6 +108,8 @@ pub struct Context {
     /// Every QueuePolicy and QueuePattern as the controllers' watches hold them, for what a
     /// deleted policy must leave to the others (`claims`).
     others: std::sync::OnceLock<Others>,
+    /// The Messaging Topology Operator's Queues, when the operator watches them.
+    topology: std::sync::OnceLock<reflector::Store<crate::topology::Queue>>,
 }
 
 /// What a QueuePattern reconcile reaches for.
@@ -174,6 +176,7 @@ impl Context {
             wake_rx: Mutex::new(Some(wake_rx)),
             memos: Mutex::default(),
             others: std::sync::OnceLock::new(),
+            topology: std::sync::OnceLock::new(),
         }
     }
 
@@ -187,6 +190,34 @@ impl Context {
     /// The controllers' caches of every QueuePolicy and QueuePattern (set once, when they start).
     pub fn know_others(&self, others: Others) {
         let _ = self.others.set(others);
+    }
+
+    /// The watch cache of the Messaging Topology Operator's Queues (set once, when it starts).
+    pub fn know_topology_queues(&self, queues: reflector::Store<crate::topology::Queue>) {
+        let _ = self.topology.set(queues);
+    }
+
+    /// The Topology Operator Queue that declares the plan's queue on `broker`, if one does.
+    /// Waits for the watch's first listing: before it, a Queue that exists would not be seen.
+    async fn managed_elsewhere(
+        &self,
+        policy: &QueuePolicy,
+        plan: &QueuePlan,
+        broker: &crate::broker::Broker,
+    ) -> Result<Option<String>, Error> {
+        let Some(store) = self.topology.get() else { return Ok(None) };
+        if tokio::time::timeout(SYNC_WAIT, store.wait_until_ready()).await.ok().and_then(Result::ok).is_none() {
+            return Err(Error::NotSynced);
+        }
+        let queues = store.state();
+        let namespace = policy.namespace().unwrap_or_default();
+        let place = crate::topology::Place {
+            namespace: &namespace,
+            source: &plan.broker,
+            hosts: broker.uri.nodes().iter().map(|n| n.host.as_str()).collect(),
+            vhost: broker.vhost(),
+        };
+        Ok(crate::topology::managed_elsewhere(&plan.queue, &place, queues.iter().map(AsRef::as_ref)))
     }
 
     /// What the policies and patterns other than `policy` name, once the caches hold them all.

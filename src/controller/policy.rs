@@ -101,6 +101,15 @@ async fn broker_side(
         Err(check) => return Ok((Outcome::blocked(check), None, vec![])),
         Ok(broker) => broker,
     };
+    let owner = ctx.managed_elsewhere(policy, plan, &broker).await?;
+    if let Some(owner) = owner.as_deref().filter(|_| !plan.adopt) {
+        let message = format!(
+            "queue '{}' in vhost '{}' is managed by Queue '{owner}' of the Messaging Topology Operator: queueguard touches nothing. Set spec.adopt: true to report on it and guard its consumers beside that Queue, or delete the Queue to have queueguard declare it",
+            plan.queue,
+            broker.vhost()
+        );
+        return Ok((Outcome::blocked(Check::failed(Reason::ManagedElsewhere, message)), None, vec![]));
+    }
     let me = ObjectRef::from_obj(policy);
     let generation = policy.metadata.generation;
     let queue = QueueKey::new(broker.vhost(), &plan.queue);
@@ -109,6 +118,10 @@ async fn broker_side(
     // pass, gated or not), so a deletion behind the operator's back is repaired at once. Both
     // are taken: each deletion is told once.
     let tracker = ctx.trackers.tracker(&broker.uri, broker.ca_cert.clone()).ok();
+    if plan.adopt {
+        let outcome = converge::adopted(plan, &broker, owner.as_deref()).await;
+        return Ok((outcome, Some((broker, tracker)), vec![]));
+    }
     let deleted: Vec<&str> = [&queue, &dead_letter_queue]
         .into_iter()
         .filter(|q| tracker.as_ref().is_some_and(|t| t.take_deleted(q)))

@@ -49,6 +49,8 @@ pub struct RunConfig {
     pub connection_name: String,
     /// The probes and `/metrics`.
     pub http_addr: std::net::SocketAddr,
+    /// Watch the Messaging Topology Operator's Queues.
+    pub topology_queues: bool,
     /// The leader Lease; None runs the controller without leader election.
     pub lease: Option<crate::leader::LeaseConfig>,
     pub webhook: Option<crate::webhook::server::Webhook>,
@@ -57,7 +59,7 @@ pub struct RunConfig {
 /// Runs the operator until SIGTERM or Ctrl-C: the HTTP endpoints and the webhook on every
 /// replica, the controller on the leader only.
 pub async fn run(config: RunConfig) -> Result<(), RunError> {
-    let RunConfig { namespace, only_namespaces, connection_name, http_addr, lease, webhook } = config;
+    let RunConfig { namespace, only_namespaces, connection_name, http_addr, topology_queues, lease, webhook } = config;
     let client = crate::kube_api::client().await?;
     let ctx = Arc::new(Context::new(client.clone(), &connection_name));
     let health = Arc::new(Health::new(lease.is_some()));
@@ -88,6 +90,9 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
     ctx.shared.metrics.leading(true);
     let writer = ctx.gate.clone();
     let scope = Scope { namespace: namespace.clone(), only: only_namespaces.map(Arc::new) };
+    if topology_queues {
+        watch_topology_queues(&client, namespace.as_deref(), &ctx).await;
+    }
     let controller = run_controller(scope, ctx, health);
     let stalled = || writer.writer_unanswered().filter(|d| *d >= gate_io::WRITER_STALL);
     let outcome = match &elector {
@@ -189,6 +194,34 @@ async fn serves_rollouts(client: &Client) -> bool {
             false
         }
     }
+}
+
+/// Keeps the Messaging Topology Operator's Queues in a watch cache the reconciles read, when
+/// the API server serves them (a watch of a kind that is not served would fail for ever). Every
+/// Queue in the watched scope: one in a namespace the operator does not act on may still declare
+/// a queue a policy names.
+async fn watch_topology_queues(client: &Client, namespace: Option<&str>, ctx: &Context) {
+    let served = match client.list_api_group_resources("rabbitmq.com/v1beta1").await {
+        Ok(list) => list.resources.iter().any(|r| r.name == "queues"),
+        Err(kube::Error::Api(e)) if e.code == 404 => false,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not ask whether the cluster serves the Messaging Topology Operator's Queues");
+            false
+        }
+    };
+    if !served {
+        tracing::warn!(
+            "--topology-queues: the cluster serves no rabbitmq.com/v1beta1 queues (the Messaging Topology Operator's CRDs are not installed); not watching them, restart the operator after installing it"
+        );
+        return;
+    }
+    let (store, writer) = reflector::store();
+    let api = crate::kube_api::scoped::<crate::topology::Queue>(client, namespace);
+    let queues = reflector::reflector(writer, watcher(api, watcher::Config::default().any_semantic()))
+        .default_backoff()
+        .applied_objects();
+    tokio::spawn(queues.for_each(|_| async {}));
+    ctx.know_topology_queues(store);
 }
 
 async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
