@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Makes sure RabbitMQ answers on 127.0.0.1:5672 (guest/guest) with the management (15672) and
-# event exchange plugins enabled: installs Debian's package if missing, starts it if stopped.
+# Makes sure RabbitMQ answers on 127.0.0.1:5672 (guest/guest) with the management (15672),
+# event exchange and prometheus (15692) plugins enabled: installs Debian's package if missing,
+# starts it if stopped.
 set -euo pipefail
 
 SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
-PLUGINS="rabbitmq_management rabbitmq_event_exchange"
+PLUGINS="rabbitmq_management rabbitmq_event_exchange rabbitmq_prometheus"
 
 if ! command -v rabbitmq-server >/dev/null 2>&1; then
   echo "rabbitmq: installing Debian's rabbitmq-server"

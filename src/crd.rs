@@ -543,6 +543,21 @@ pub struct QueuePolicyStatus {
     /// each of its steps so a restarted operator resumes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration: Option<MigrationStatus>,
+    /// Where the findings' counters (consumers, acks, redeliveries) come from: Management (the
+    /// management API's statistics) or Prometheus (rabbitmq_prometheus's /metrics/detailed, where
+    /// the broker has it, beside the management API's queues without statistics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats_source: Option<StatsSource>,
+}
+
+/// Where a queue's counters are read.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema, strum::IntoStaticStr)]
+pub enum StatsSource {
+    /// The management API's statistics.
+    #[default]
+    Management,
+    /// rabbitmq_prometheus's per-object endpoint.
+    Prometheus,
 }
 
 /// A live migration of a queue to a new type or declared arguments.

@@ -274,6 +274,7 @@ pub fn next_status(
             None => old.prefetch,
         },
         migration,
+        stats_source: outcome.findings.as_ref().map(|r| r.source).or(old.stats_source),
     }
 }
 
@@ -487,8 +488,14 @@ mod tests {
                 Verdict { finding: Finding::RequeueLoop, seen: None },
             ],
             prefetch: None,
+            source: crate::crd::StatsSource::Prometheus,
         });
         let first = next_status(None, &outcome, Some(1), at(10));
+        assert_eq!(
+            first.stats_source,
+            Some(crate::crd::StatsSource::Prometheus),
+            "status says where counters came from"
+        );
         let auto = first.conditions.iter().find(|c| c.type_ == "AutoAckConsumer").unwrap();
         assert_eq!((auto.status.as_str(), auto.reason.as_str()), ("True", "AutoAckConsumer"));
         let requeue = first.conditions.iter().find(|c| c.type_ == "RequeueLoop").unwrap();

@@ -284,3 +284,88 @@ async fn the_looks_of_a_vhosts_policies_share_one_queue_listing_per_interval() {
         remove_all(plan).await;
     }
 }
+
+/// The cluster the test broker's management API names, and the one its host's port 15692
+/// answers for (None when nothing answers there).
+async fn clusters_here() -> (String, Option<String>) {
+    queueguard::tls::install_crypto_provider();
+    let ours = mgmt_get("overview").await.unwrap()["cluster_name"].as_str().unwrap().to_owned();
+    let url = url::Url::parse(&management_base()).unwrap();
+    let metrics = format!("http://{}:15692/metrics/detailed?family=identity_info", url.host_str().unwrap());
+    let theirs = match reqwest::get(&metrics).await {
+        Ok(answer) => answer.text().await.ok().and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with("rabbitmq_identity_info"))?.to_owned();
+            let start = line.find("rabbitmq_cluster=\"")? + "rabbitmq_cluster=\"".len();
+            Some(line[start..start + line[start..].find('"')?].to_owned())
+        }),
+        Err(_) => None,
+    };
+    (ours, theirs)
+}
+
+#[tokio::test]
+async fn counters_come_from_rabbitmq_prometheus_when_it_answers_for_this_broker_and_agree_with_the_management_api() {
+    use queueguard::{broker::prometheus, crd::StatsSource};
+    let (ours, at_15692) = clusters_here().await;
+    let expected =
+        if at_15692.as_deref() == Some(ours.as_str()) { StatsSource::Prometheus } else { StatsSource::Management };
+    eprintln!("broker cluster '{ours}', port 15692 answers for {at_15692:?}: expecting {expected:?}");
+    let name = unique("prom");
+    let plan = plan_of(&policy_doc(&name, &format!("queue: {{name: {name}}}")));
+    let pool = BrokerPool::new(unique("prom-op"));
+    let broker = broker(&pool, &plan);
+    assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());
+    publish(&name, (0..10).map(|i| format!("m{i}"))).await;
+    // One consumer acks five and requeues two (redelivered), and stays attached holding the rest.
+    let (_conn, ch) = app().await;
+    ch.basic_qos(3, BasicQosOptions::default()).await.unwrap();
+    let mut deliveries = ch
+        .basic_consume(name.as_str().into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let (mut acked, mut requeued) = (0, 0);
+    while acked < 5 {
+        let d = deliveries.next().await.unwrap().unwrap();
+        if requeued < 2 && !d.redelivered {
+            d.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.unwrap();
+            requeued += 1;
+        } else {
+            d.ack(BasicAckOptions::default()).await.unwrap();
+            acked += 1;
+        }
+    }
+    let management = || async {
+        let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap_or_default();
+        (q["message_stats"]["ack"].as_u64(), q["message_stats"]["redeliver"].as_u64(), q["consumers"].as_i64())
+    };
+    let settled = eventually(Duration::from_secs(20), || async { management().await == (Some(5), Some(2), Some(1)) });
+    assert!(settled.await, "the management API counts 5 acks, 2 redeliveries, 1 consumer: {:?}", management().await);
+    let agree = eventually(Duration::from_secs(20), || async {
+        let listing = broker.management.queues_in("/", Duration::ZERO).await.unwrap();
+        let q = &listing.queues[&name];
+        listing.source == expected && (q.message_stats.ack, q.message_stats.redeliver, q.consumers) == (5, 2, Some(1))
+    });
+    assert!(agree.await, "the shared listing ({expected:?}) counts the same");
+    let (before, before_scrapes) = (broker.management.requests(), broker.management.prometheus_requests());
+    let listing = broker.management.queues_in("/", Duration::ZERO).await.unwrap();
+    assert_eq!(listing.source, expected);
+    assert_eq!(broker.management.requests() - before, 1, "one management request per listing, either way");
+    let scrapes = broker.management.prometheus_requests() - before_scrapes;
+    match expected {
+        StatsSource::Prometheus => assert_eq!(scrapes, 1, "and one scrape of the one node"),
+        // Asked once and refused (another cluster answers there): not asked again for a while.
+        StatsSource::Management => assert_eq!(scrapes, 0),
+    }
+    let q = &listing.queues[&name];
+    assert_eq!((q.messages_ready, q.messages_unacknowledged), (Some(2), Some(3)), "the same depths");
+    if let Some(cluster) = at_15692 {
+        // The identity check: the port's own cluster is read, another name is refused.
+        let url = prometheus::endpoints(&[management_base().parse().unwrap()]).remove(0);
+        let http = reqwest::Client::new();
+        assert!(prometheus::scrape(&http, &url, "/", &cluster).await.is_ok());
+        let err = prometheus::scrape(&http, &url, "/", "some-other-cluster").await.unwrap_err();
+        assert!(err.contains(&format!("answers for cluster '{cluster}', not 'some-other-cluster'")), "{err}");
+    }
+    drop(deliveries);
+    common::delete_queues(&[&name, &plan.dead_letter_queue]).await;
+}

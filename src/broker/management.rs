@@ -3,7 +3,8 @@
 //! URLs never carry credentials (they go in the Authorization header), so an HTTP error that
 //! quotes its URL cannot leak them.
 
-use super::uri::ManagementEndpoint;
+use super::{prometheus, uri::ManagementEndpoint};
+use crate::sync::lock;
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use reqwest::{Method, StatusCode};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -211,6 +212,10 @@ type ListingCache = HashMap<String, Arc<QueueListing>>;
 /// them the broker sends every queue's full statistics (rates, backing queue status, ...).
 const LISTING_COLUMNS: &str = "name,vhost,type,durable,auto_delete,exclusive,arguments,messages_ready,messages_unacknowledged,consumers,policy,idle_since,message_stats.ack,message_stats.redeliver";
 
+/// The columns of a listing without statistics (`disable_stats`), beside rabbitmq_prometheus's
+/// counters (see there why not `enable_queue_totals`).
+const BARE_COLUMNS: &str = "name,vhost,type,durable,auto_delete,exclusive,arguments,policy";
+
 /// Every queue of a vhost, as one listing read at `read_at`.
 #[derive(Debug)]
 pub struct QueueListing {
@@ -218,6 +223,9 @@ pub struct QueueListing {
     /// When it was read, in ms since the epoch (the time its counters are from).
     pub read_at_ms: i64,
     pub queues: HashMap<String, QueueInfo>,
+    /// Where its consumer counts, acks and redeliveries come from. Under Prometheus there is no
+    /// `idle_since` (it is a management statistic).
+    pub source: prometheus::StatsSource,
 }
 
 #[derive(Clone)]
@@ -230,6 +238,10 @@ pub struct ManagementClient {
     writes: Arc<tokio::sync::Semaphore>,
     policies: Arc<tokio::sync::Mutex<PolicyCache>>,
     listings: Arc<tokio::sync::Mutex<ListingCache>>,
+    /// Whether rabbitmq_prometheus answers beside each node's management API.
+    prometheus: Arc<std::sync::Mutex<prometheus::Detection>>,
+    /// Requests sent to rabbitmq_prometheus, for the benchmarks.
+    prometheus_requests: Arc<std::sync::atomic::AtomicU64>,
     /// The base URL requests go to now: the next one after a node stopped answering.
     current: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -255,6 +267,8 @@ impl ManagementClient {
             writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             policies: Default::default(),
             listings: Default::default(),
+            prometheus: Arc::new(std::sync::Mutex::new(prometheus::Detection::Unknown)),
+            prometheus_requests: Default::default(),
             current: Default::default(),
         })
     }
@@ -311,12 +325,97 @@ impl ManagementClient {
         }
         let read_at = std::time::Instant::now();
         let read_at_ms = crate::consumers::tracker::now_ms();
-        let rows: Vec<QueueInfo> =
-            self.get_query(&["queues", vhost], &format!("columns={LISTING_COLUMNS}")).await?.unwrap_or_default();
-        let queues = rows.into_iter().map(|q| (q.name.clone(), q)).collect();
-        let listing = Arc::new(QueueListing { read_at, read_at_ms, queues });
+        let listing = match self.prometheus_counters(vhost).await {
+            Some(counters) => {
+                let query = format!("disable_stats=true&columns={BARE_COLUMNS}");
+                let rows: Vec<QueueInfo> = self.get_query(&["queues", vhost], &query).await?.unwrap_or_default();
+                let queues = rows
+                    .into_iter()
+                    .map(|mut q| {
+                        let c = counters.get(&q.name).cloned().unwrap_or_default();
+                        q.messages_ready = Some(c.ready);
+                        q.messages_unacknowledged = Some(c.unacked);
+                        q.consumers = Some(c.consumers);
+                        q.message_stats = MessageStats { ack: c.acks, redeliver: c.redeliveries };
+                        (q.name.clone(), q)
+                    })
+                    .collect();
+                QueueListing { read_at, read_at_ms, queues, source: prometheus::StatsSource::Prometheus }
+            }
+            None => {
+                let rows: Vec<QueueInfo> = self
+                    .get_query(&["queues", vhost], &format!("columns={LISTING_COLUMNS}"))
+                    .await?
+                    .unwrap_or_default();
+                let queues = rows.into_iter().map(|q| (q.name.clone(), q)).collect();
+                QueueListing { read_at, read_at_ms, queues, source: prometheus::StatsSource::Management }
+            }
+        };
+        let listing = Arc::new(listing);
         cache.insert(vhost.to_owned(), Arc::clone(&listing));
         Ok(listing)
+    }
+
+    /// When queue `name` last had activity, if it is idle: from the statistics of a one-queue page
+    /// of the vhost's listing. A GET of the queue itself would not do: it asks the queue process,
+    /// which wakes it and restarts its idle time.
+    pub async fn idle_since(&self, vhost: &str, name: &str) -> Result<Option<String>, ManagementError> {
+        #[derive(Deserialize)]
+        struct Page {
+            #[serde(default)]
+            items: Vec<QueueInfoIdle>,
+        }
+        #[derive(Deserialize)]
+        struct QueueInfoIdle {
+            name: String,
+            #[serde(default)]
+            idle_since: Option<String>,
+        }
+        let exact: String =
+            url::form_urlencoded::byte_serialize(format!("^{}$", regex_escape(name)).as_bytes()).collect();
+        let query = format!("page=1&page_size=1&use_regex=true&name={exact}&columns=name,idle_since");
+        let page: Option<Page> = self.get_query(&["queues", vhost], &query).await?;
+        Ok(page.into_iter().flat_map(|p| p.items).find(|q| q.name == name).and_then(|q| q.idle_since))
+    }
+
+    /// Requests sent to rabbitmq_prometheus so far.
+    pub fn prometheus_requests(&self) -> u64 {
+        self.prometheus_requests.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Every node's rabbitmq_prometheus counters of `vhost`, when the plugin answers for this
+    /// broker; None reads the management API's statistics instead. Asked first when the cluster's
+    /// name is known, again [`prometheus::RETRY_AFTER`] after it did not answer.
+    async fn prometheus_counters(&self, vhost: &str) -> Option<HashMap<String, prometheus::Counters>> {
+        use prometheus::Detection;
+        let known = lock(&self.prometheus).clone();
+        let (urls, cluster) = match known {
+            Detection::Available { urls, cluster } => (urls, cluster),
+            Detection::Unavailable(at) if at.elapsed() < prometheus::RETRY_AFTER => return None,
+            _ => {
+                let overview: Option<Value> =
+                    self.get_query(&["overview"], "columns=cluster_name").await.ok().flatten();
+                let cluster = overview?.get("cluster_name")?.as_str()?.to_owned();
+                (prometheus::endpoints(&self.endpoint.base_urls), cluster)
+            }
+        };
+        let mut total = HashMap::new();
+        for url in &urls {
+            self.prometheus_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match prometheus::scrape(&self.http, url, vhost, &cluster).await {
+                Ok(node) => prometheus::merge(&mut total, node),
+                Err(why) => {
+                    let mut state = lock(&self.prometheus);
+                    if !matches!(*state, Detection::Unavailable(_)) {
+                        tracing::info!(%why, "rabbitmq_prometheus not used; queue counters come from the management API");
+                    }
+                    *state = Detection::Unavailable(std::time::Instant::now());
+                    return None;
+                }
+            }
+        }
+        *lock(&self.prometheus) = Detection::Available { urls, cluster };
+        Some(total)
     }
 
     /// Keeps the cached list in step with a write of our own. Copies it only while a caller
@@ -494,6 +593,18 @@ impl ManagementClient {
     }
 }
 
+/// `text` matched literally by the management API's (Erlang `re`) name filter.
+fn regex_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.^$|?*+()[]{}".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// A GET answered 200 with a body that is not what the API documents.
 fn unexpected_answer(path: &[&str], e: &serde_json::Error) -> ManagementError {
     ManagementError::UnexpectedBody { what: format!("GET {}", describe(path)), detail: e.to_string() }
@@ -549,6 +660,12 @@ mod tests {
         let mut broken = consumer("b", serde_json::json!({"name": "x"}));
         broken["queue"] = Value::Null;
         assert!(live_consumers(vec![broken]).is_err());
+    }
+
+    #[test]
+    fn queue_names_are_matched_literally() {
+        assert_eq!(super::regex_escape("rpc.reply(1)*"), r"rpc\.reply\(1\)\*");
+        assert_eq!(super::regex_escape("a\\b"), r"a\\b");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod amqp;
 pub mod management;
+pub mod prometheus;
 pub mod refusal;
 pub mod uri;
 

@@ -23,9 +23,12 @@ pub struct Sample {
     pub consumers: Vec<ConsumerView>,
     pub ready: i64,
     pub unacked: i64,
-    /// Cumulative counters since the queue was created (management API message_stats).
+    /// Cumulative counters: since the queue was created (management API message_stats), or per
+    /// open channel (Prometheus), so they can go down.
     pub acks: u64,
     pub redeliveries: u64,
+    /// Where the counters were read.
+    pub source: crate::crd::StatsSource,
     /// When the queue last had activity, if it is idle now.
     pub idle_since_ms: Option<i64>,
     pub dead_letter_ready: Option<i64>,
@@ -58,6 +61,8 @@ pub struct Memory {
 pub struct Report {
     pub verdicts: Vec<Verdict>,
     pub prefetch: Option<PrefetchAdvice>,
+    /// Where the counters judged came from.
+    pub source: crate::crd::StatsSource,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -92,8 +97,10 @@ impl Memory {
 
 pub fn evaluate(memory: &Memory, now: &Sample, settings: &Settings) -> (Memory, Report) {
     let last = memory.last.as_ref().filter(|l| l.now_ms < now.now_ms);
-    let acks = last.map(|l| now.acks.saturating_sub(l.acks));
-    let redeliveries = last.map(|l| now.redeliveries.saturating_sub(l.redeliveries));
+    // A counter that went down was reset (a channel closed, under Prometheus; the queue
+    // recreated): the interval's count is unknown, not zero.
+    let acks = last.and_then(|l| now.acks.checked_sub(l.acks));
+    let redeliveries = last.and_then(|l| now.redeliveries.checked_sub(l.redeliveries));
 
     let limit: u64 = now.consumers.iter().map(|c| u64::from(c.prefetch)).sum();
     let bounded = !now.consumers.is_empty() && now.consumers.iter().all(|c| c.ack_required && c.prefetch > 0);
@@ -186,7 +193,7 @@ pub fn evaluate(memory: &Memory, now: &Sample, settings: &Settings) -> (Memory, 
 
     let prefetch = prefetch_advice(last, now, acks);
     let memory = Memory { last: Some(now.clone()), stalled_since_ms, dead_letter_growth };
-    (memory, Report { verdicts, prefetch })
+    (memory, Report { verdicts, prefetch, source: now.source })
 }
 
 /// Processing time per message from the acks of busy consumers (messages were waiting, so they

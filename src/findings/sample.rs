@@ -10,6 +10,7 @@ use crate::{
         management::{ManagementError, QueueInfo},
     },
     consumers::{ConsumerTracker, QueueKey},
+    crd::StatsSource,
 };
 use k8s_openapi::jiff::{Timestamp, civil::DateTime, tz::TimeZone};
 use lapin::{ExchangeKind, options::ExchangeDeclareOptions, types::FieldTable};
@@ -47,7 +48,7 @@ pub async fn sample(
     let queue: &QueueInfo =
         listing.queues.get(queues.queue).ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;
     let dead_letter = listing.queues.get(queues.dead_letter_queue);
-    let consumers = match tracker {
+    let consumers: Vec<ConsumerView> = match tracker {
         Some(t) => t
             .consumers_on(&QueueKey::new(&vhost, queues.queue))
             .into_iter()
@@ -72,15 +73,26 @@ pub async fn sample(
             })
             .collect(),
     };
+    let ready = queue.messages_ready.unwrap_or_default();
+    let idle_since = match listing.source {
+        StatsSource::Management => queue.idle_since.clone(),
+        // Not among rabbitmq_prometheus's counters: read for the one queue that could expire
+        // with messages in it (ExpiryRisk), which is rare.
+        StatsSource::Prometheus if ready > 0 && consumers.is_empty() => {
+            broker.management.idle_since(&vhost, queues.queue).await?
+        }
+        StatsSource::Prometheus => None,
+    };
     Ok(Sample {
         // The counters' time: the listing's, however long it was shared.
         now_ms: listing.read_at_ms,
         consumers,
-        ready: queue.messages_ready.unwrap_or_default(),
+        ready,
         unacked: queue.messages_unacknowledged.unwrap_or_default(),
         acks: queue.message_stats.ack,
         redeliveries: queue.message_stats.redeliver,
-        idle_since_ms: queue.idle_since.as_deref().and_then(parse_broker_time),
+        source: listing.source,
+        idle_since_ms: idle_since.as_deref().and_then(parse_broker_time),
         dead_letter_ready: dead_letter.and_then(|q| q.messages_ready),
         round_trip_ms: round_trip(broker).await,
     })
