@@ -378,6 +378,12 @@ impl ManagementClient {
         Ok(page.into_iter().flat_map(|p| p.items).find(|q| q.name == name).and_then(|q| q.idle_since))
     }
 
+    /// This client, reading the management API's statistics only, never rabbitmq_prometheus
+    /// (`cargo bench --bench reads` compares the two).
+    pub fn without_prometheus(self) -> Self {
+        Self { prometheus: Arc::new(std::sync::Mutex::new(prometheus::Detection::Off)), ..self }
+    }
+
     /// Requests sent to rabbitmq_prometheus so far.
     pub fn prometheus_requests(&self) -> u64 {
         self.prometheus_requests.load(std::sync::atomic::Ordering::Relaxed)
@@ -392,6 +398,7 @@ impl ManagementClient {
         let (urls, cluster) = match known {
             Detection::Available { urls, cluster } => (urls, cluster),
             Detection::Unavailable(at) if at.elapsed() < prometheus::RETRY_AFTER => return None,
+            Detection::Off => return None,
             _ => {
                 let overview: Option<Value> =
                     self.get_query(&["overview"], "columns=cluster_name").await.ok().flatten();

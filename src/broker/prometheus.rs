@@ -50,6 +50,8 @@ pub enum Detection {
     },
     /// It did not, at that time.
     Unavailable(Instant),
+    /// Not to be asked (the management API's statistics only).
+    Off,
 }
 
 /// The per-node metrics URLs for the management API's base URLs: the same host, the plugin's
