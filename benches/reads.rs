@@ -144,7 +144,8 @@ async fn main() {
     let vconn = lapin::Connection::connect_uri(amqp, lapin::ConnectionProperties::default()).await.unwrap();
     let ch = vconn.create_channel().await.unwrap();
     let durable = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-    let queues: Vec<(String, String)> = (0..policies).map(|i| (format!("orders-{i}"), format!("orders-{i}.dlq"))).collect();
+    let queues: Vec<(String, String)> =
+        (0..policies).map(|i| (format!("orders-{i}"), format!("orders-{i}.dlq"))).collect();
     for (q, dlq) in &queues {
         for name in [q, dlq] {
             ch.queue_declare(name.as_str().into(), durable, Default::default()).await.unwrap();

@@ -141,6 +141,11 @@ impl RabbitmqCluster {
         self.spec.tls.as_ref().and_then(|t| t.secret_name.as_deref()).is_some_and(|n| !n.is_empty())
     }
 
+    /// The keys of its default-user Secret that hold `username`, `password`, `host` and `port`.
+    pub fn default_user_keys(&self) -> [&str; 4] {
+        DEFAULT_USER_KEYS.map(|k| self.key(k))
+    }
+
     /// The key of the default-user Secret that holds `what`.
     fn key<'a>(&'a self, what: &'a str) -> &'a str {
         self.status
@@ -179,7 +184,7 @@ impl RabbitmqCluster {
                 )
             })
         };
-        let [username, password, host, port] = DEFAULT_USER_KEYS.map(|k| read(self.key(k)));
+        let [username, password, host, port] = self.default_user_keys().map(read);
         let (username, password, host, port) = (username?, password?, host?, port?);
         let port: u16 = port.parse().map_err(|_| {
             Check::failed(Reason::InvalidBrokerUri, format!("Secret '{secret_name}' key 'port' is not a port number"))

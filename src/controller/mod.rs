@@ -347,7 +347,7 @@ async fn cluster_credentials(
             return Ok(Err(check));
         }
     };
-    let Some(user) = ctx.secrets.get(&ctx.client, cluster_ns, user).await? else {
+    let Some(user) = ctx.secrets.get_keeping(&ctx.client, cluster_ns, user, &cluster.default_user_keys()).await? else {
         return Ok(Err(Check::failed(
             Reason::SecretNotFound,
             format!("Secret '{cluster_ns}/{user}' (the default user of {who}) not found"),

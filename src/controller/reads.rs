@@ -40,9 +40,10 @@ impl<K> Default for Reads<K> {
     }
 }
 
-/// What of an object is kept: only what the operator reads from it.
+/// What of an object is kept: only what the operator reads from it, and the `extra` keys its
+/// caller names (a RabbitmqCluster's renamed default-user keys).
 pub trait Kept {
-    fn kept(self) -> Self;
+    fn kept(self, extra: &[&str]) -> Self;
 }
 
 impl<K> Reads<K>
@@ -53,6 +54,18 @@ where
     /// hand. Concurrent callers for one object share a single read. Absence is never kept: an
     /// object created after its policy is found by the next reconcile.
     pub async fn get(&self, client: &Client, ns: &str, name: &str) -> Result<Option<K>, kube::Error> {
+        self.get_keeping(client, ns, name, &[]).await
+    }
+
+    /// As [`Self::get`], keeping `extra` keys too when it reads (every caller of one object
+    /// names the same ones: the default user's Secret is read for its cluster only).
+    pub async fn get_keeping(
+        &self,
+        client: &Client,
+        ns: &str,
+        name: &str,
+        extra: &[&str],
+    ) -> Result<Option<K>, kube::Error> {
         let slot = {
             let mut slots = lock(&self.slots);
             evict_stale(&mut slots, Instant::now());
@@ -63,7 +76,7 @@ where
         if let Some((_, object)) = kept.as_ref().filter(|(read_at, _)| fresh(*read_at, now)) {
             return Ok(Some(object.clone()));
         }
-        let found = Api::<K>::namespaced(client.clone(), ns).get_opt(name).await?.map(Kept::kept);
+        let found = Api::<K>::namespaced(client.clone(), ns).get_opt(name).await?.map(|o| o.kept(extra));
         *kept = found.clone().map(|s| (now, s));
         Ok(found)
     }
@@ -93,9 +106,9 @@ fn fresh(read_at: Instant, now: Instant) -> bool {
 /// A Secret: the name and the keys the operator reads (a Secret shared with an application may
 /// hold much else, none of it the operator's to keep).
 impl Kept for Secret {
-    fn kept(self) -> Self {
+    fn kept(self, extra: &[&str]) -> Self {
         let data = self.data.map(|mut d| {
-            d.retain(|k, _| crate::secret::KEYS.contains(&k.as_str()));
+            d.retain(|k, _| crate::secret::KEYS.contains(&k.as_str()) || extra.contains(&k.as_str()));
             d
         });
         let mut kept = Secret { data, ..Default::default() };
@@ -107,7 +120,7 @@ impl Kept for Secret {
 /// A RabbitmqCluster: the modelled fields, and of its annotations the one that lets other
 /// namespaces use it.
 impl Kept for RabbitmqCluster {
-    fn kept(mut self) -> Self {
+    fn kept(mut self, _: &[&str]) -> Self {
         let allowed = self
             .metadata
             .annotations
@@ -133,6 +146,19 @@ mod tests {
         assert!(fresh(t, t));
         assert!(fresh(t, t + SECRET_TTL - Duration::from_millis(1)));
         assert!(!fresh(t, t + SECRET_TTL));
+    }
+
+    #[test]
+    fn a_secret_keeps_the_operators_keys_and_the_ones_its_caller_names() {
+        let secret = Secret {
+            data: Some(
+                ["uri", "user", "app-token"].map(|k| (k.to_owned(), k8s_openapi::ByteString(b"x".to_vec()))).into(),
+            ),
+            ..Default::default()
+        };
+        let keys = |s: Secret| s.data.unwrap().into_keys().collect::<Vec<_>>();
+        assert_eq!(keys(secret.clone().kept(&[])), ["uri"]);
+        assert_eq!(keys(secret.kept(&["user"])), ["uri", "user"], "a cluster's renamed username key");
     }
 
     #[tokio::test(start_paused = true)]
