@@ -24,14 +24,13 @@ impl BrokerSource {
         }
     }
 
-    /// The object it names, as (namespace, kind, name), for a policy in `policy_ns`: two policies
-    /// whose sources are the same object use the same broker.
-    pub fn object<'a>(&'a self, policy_ns: &'a str) -> (&'a str, &'static str, &'a str) {
+    /// The object it names, as (namespace, kind, name), for a policy in `policy_ns` (None where
+    /// a manifest leaves it unsaid): two policies whose sources are the same object use the same
+    /// broker.
+    pub fn object<'a>(&'a self, policy_ns: Option<&'a str>) -> (Option<&'a str>, &'static str, &'a str) {
         match self {
             Self::Secret { name } => (policy_ns, "Secret", name),
-            Self::RabbitmqCluster { name, namespace } => {
-                (namespace.as_deref().unwrap_or(policy_ns), "RabbitmqCluster", name)
-            }
+            Self::RabbitmqCluster { name, namespace } => (namespace.as_deref().or(policy_ns), "RabbitmqCluster", name),
         }
     }
 }
@@ -74,9 +73,9 @@ mod tests {
     fn a_cluster_in_the_policys_namespace_is_the_same_object_however_it_is_written() {
         let implicit = BrokerSource::of(&spec(None, Some(("rabbit", None)))).unwrap();
         let explicit = BrokerSource::of(&spec(None, Some(("rabbit", Some("shop"))))).unwrap();
-        assert_eq!(implicit.object("shop"), explicit.object("shop"));
-        assert_ne!(implicit.object("billing"), explicit.object("billing"));
-        assert_ne!(BrokerSource::Secret { name: "rabbit".into() }.object("shop"), implicit.object("shop"));
+        assert_eq!(implicit.object(Some("shop")), explicit.object(Some("shop")));
+        assert_ne!(implicit.object(Some("billing")), explicit.object(Some("billing")));
+        assert_ne!(BrokerSource::Secret { name: "rabbit".into() }.object(Some("shop")), implicit.object(Some("shop")));
         assert_eq!(explicit.to_string(), "RabbitmqCluster 'shop/rabbit'");
     }
 }

@@ -39,7 +39,7 @@ impl Claims {
 /// Where a plan's entities live, as far as can be told without reading its Secret.
 struct Place<'a> {
     /// The Secret or RabbitmqCluster its credentials come from: (namespace, kind, name).
-    source: (&'a str, &'static str, &'a str),
+    source: (Option<&'a str>, &'static str, &'a str),
     vhost: Option<&'a str>,
 }
 
@@ -65,7 +65,7 @@ pub fn others(
     limits: Limits,
 ) -> Claims {
     let my_ns = me.namespace().unwrap_or_default();
-    let here = Place { source: mine.broker.object(&my_ns), vhost: mine.vhost.as_deref() };
+    let here = Place { source: mine.broker.object(Some(&my_ns)), vhost: mine.vhost.as_deref() };
     let mut claims = Claims::default();
     for p in policies.iter().map(Borrow::borrow) {
         let same = p.uid().is_some() && p.uid() == me.uid()
@@ -77,7 +77,7 @@ pub fn others(
         // An invalid spec never declared anything.
         let Ok(theirs) = plan::plan(p, limits) else { continue };
         let ns = p.namespace().unwrap_or_default();
-        let there = Place { source: theirs.broker.object(&ns), vhost: theirs.vhost.as_deref() };
+        let there = Place { source: theirs.broker.object(Some(&ns)), vhost: theirs.vhost.as_deref() };
         if !may_share(&here, &there) {
             continue;
         }
@@ -91,7 +91,7 @@ pub fn others(
         let Some(exchange) = &p.spec.dead_letter_exchange else { continue };
         let ns = p.namespace().unwrap_or_default();
         let Some(source) = BrokerSource::of(&p.spec.broker) else { continue };
-        let there = Place { source: source.object(&ns), vhost: p.spec.broker.vhost.as_deref() };
+        let there = Place { source: source.object(Some(&ns)), vhost: p.spec.broker.vhost.as_deref() };
         if may_share(&here, &there) {
             claims.exchanges.entry(exchange.clone()).or_default().insert(format!("QueuePattern {ns}/{}", p.name_any()));
         }

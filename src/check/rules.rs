@@ -679,18 +679,11 @@ struct Broker<'a> {
 }
 
 fn broker_of<'a>(p: &'a Planned) -> Broker<'a> {
-    Broker { source: source_of(&p.plan.broker, p.doc.id.namespace.as_deref()), vhost: p.plan.vhost.as_deref() }
+    Broker { source: p.plan.broker.object(p.doc.id.namespace.as_deref()), vhost: p.plan.vhost.as_deref() }
 }
 
 fn pattern_broker_of<'a>(p: &'a PlannedPattern) -> Broker<'a> {
-    Broker { source: source_of(&p.plan.broker, p.doc.id.namespace.as_deref()), vhost: p.plan.vhost.as_deref() }
-}
-
-fn source_of<'a>(source: &'a BrokerSource, ns: Option<&'a str>) -> (Option<&'a str>, &'static str, &'a str) {
-    match source {
-        BrokerSource::Secret { name } => (ns, "Secret", name),
-        BrokerSource::RabbitmqCluster { name, namespace } => (namespace.as_deref().or(ns), "RabbitmqCluster", name),
-    }
+    Broker { source: p.plan.broker.object(p.doc.id.namespace.as_deref()), vhost: p.plan.vhost.as_deref() }
 }
 
 /// Something among the objects that gives the queues it matches an expiry: a QueuePolicy its own

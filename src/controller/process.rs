@@ -183,14 +183,14 @@ impl Scope {
     }
 }
 
-/// Whether the API server serves Argo Rollouts' `rollouts` (its CRD is installed). Asked once
-/// at start: a watch of a kind that is not served would fail and retry for ever.
-async fn serves_rollouts(client: &Client) -> bool {
-    match client.list_api_group_resources("argoproj.io/v1alpha1").await {
-        Ok(list) => list.resources.iter().any(|r| r.name == "rollouts"),
+/// Whether the API server serves `resource` of `group_version` (its CRD is installed). Asked
+/// once at start: a watch of a kind that is not served would fail and retry for ever.
+async fn serves(client: &Client, group_version: &str, resource: &str) -> bool {
+    match client.list_api_group_resources(group_version).await {
+        Ok(list) => list.resources.iter().any(|r| r.name == resource),
         Err(kube::Error::Api(e)) if e.code == 404 => false,
         Err(e) => {
-            tracing::warn!(error = %e, "could not ask whether the cluster serves Argo Rollouts; not watching Rollouts");
+            tracing::warn!(error = %e, "could not ask whether the cluster serves {group_version} {resource}; not watching them");
             false
         }
     }
@@ -201,15 +201,7 @@ async fn serves_rollouts(client: &Client) -> bool {
 /// Queue in the watched scope: one in a namespace the operator does not act on may still declare
 /// a queue a policy names.
 async fn watch_topology_queues(client: &Client, namespace: Option<&str>, ctx: &Context) {
-    let served = match client.list_api_group_resources("rabbitmq.com/v1beta1").await {
-        Ok(list) => list.resources.iter().any(|r| r.name == "queues"),
-        Err(kube::Error::Api(e)) if e.code == 404 => false,
-        Err(e) => {
-            tracing::warn!(error = %e, "could not ask whether the cluster serves the Messaging Topology Operator's Queues");
-            false
-        }
-    };
-    if !served {
+    if !serves(client, "rabbitmq.com/v1beta1", "queues").await {
         tracing::warn!(
             "--topology-queues: the cluster serves no rabbitmq.com/v1beta1 queues (the Messaging Topology Operator's CRDs are not installed); not watching them, restart the operator after installing it"
         );
@@ -240,7 +232,7 @@ async fn run_controller(scope: Scope, ctx: Arc<Context>, health: Arc<Health>) {
     tokio::spawn(gate_io::feed(scope.watch::<Deployment>(&client), move |e| g.on(e)));
     let g = ctx.gate.clone();
     tokio::spawn(gate_io::feed(scope.watch::<StatefulSet>(&client), move |e| g.on(e)));
-    if serves_rollouts(&client).await {
+    if serves(&client, "argoproj.io/v1alpha1", "rollouts").await {
         let g = ctx.gate.clone();
         tokio::spawn(gate_io::feed(scope.watch::<Rollout>(&client), move |e| g.on(e)));
     } else {
