@@ -12,7 +12,8 @@
 //! `summary k=v` line.
 //!
 //! `cargo bench --bench fleet` (QUEUEGUARD_BENCH_DEPLOYMENTS, QUEUEGUARD_BENCH_WORKERS,
-//! QUEUEGUARD_BENCH_STEADY_SECS, QUEUEGUARD_BENCH_ROLLOUTS). Consumers attach from a child
+//! QUEUEGUARD_BENCH_STEADY_SECS, QUEUEGUARD_BENCH_ROLLOUTS, QUEUEGUARD_BENCH_SETTINGS: the
+//! policies' `queue.settings`, default Arguments). Consumers attach from a child
 //! process (this binary again), so their connections do not count in the operator's memory.
 //! The broker here accepts 832 sockets, so consumers share connections: one per ten
 //! Deployments, named with every pod of them, and matched to pods by connection name
@@ -272,13 +273,13 @@ fn pod(w: &Workload, name: &str, hash: &str, ip: &str, started_ms: i64) -> Pod {
     .unwrap()
 }
 
-fn policy(namespace: &str, name: &str, queue: &str, w: &Workload) -> QueuePolicy {
+fn policy(namespace: &str, name: &str, queue: &str, w: &Workload, settings: &str) -> QueuePolicy {
     serde_json::from_value(json!({
         "apiVersion": "queueguard.io/v1alpha1", "kind": "QueuePolicy",
         "metadata": {"name": name, "namespace": namespace, "generation": 1, "uid": format!("uid-{namespace}-{name}"),
                      "finalizers": [FINALIZER], "resourceVersion": "1"},
         "spec": {"broker": {"secretRef": {"name": "rabbitmq"}},
-                 "queue": {"name": queue, "settings": "Arguments", "expires": "4h"},
+                 "queue": {"name": queue, "settings": settings, "expires": "4h"},
                  "consumers": {"workload": {"kind": w.kind.as_str(), "name": w.name}, "minAttachedSeconds": 0, "matchBy": "ConnectionName"}},
     }))
     .unwrap()
@@ -494,6 +495,9 @@ async fn main() {
     let singles: usize = env("QUEUEGUARD_BENCH_DEPLOYMENTS", "1000").parse().unwrap();
     let workers: usize = env("QUEUEGUARD_BENCH_WORKERS", "100").parse().unwrap();
     let steady_secs: u64 = env("QUEUEGUARD_BENCH_STEADY_SECS", "60").parse().unwrap();
+    // Policy: every queue's settings in a broker policy, whose list each keepAlive renewal
+    // (5 minutes) reads; a steady state longer than that shows what the renewals cost.
+    let settings = env("QUEUEGUARD_BENCH_SETTINGS", "Arguments");
     let rollouts: usize = env("QUEUEGUARD_BENCH_ROLLOUTS", "20").parse().unwrap();
     let broker = env("QUEUEGUARD_BENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672/%2F");
     let management = env("QUEUEGUARD_BENCH_MANAGEMENT", "http://127.0.0.1:15672");
@@ -544,7 +548,7 @@ async fn main() {
     for (i, w) in workloads.iter().enumerate() {
         for (q, queue) in w.queues.iter().enumerate() {
             let name = if w.queues.len() == 1 { format!("p{i}") } else { format!("p{i}-{q}") };
-            let p = policy(&w.namespace, &name, queue, w);
+            let p = policy(&w.namespace, &name, queue, w, &settings);
             api.policies.lock().unwrap().insert((w.namespace.clone(), name), serde_json::to_string(&p).unwrap());
             policies.push(p);
         }
@@ -769,7 +773,7 @@ async fn main() {
         }
     }
     println!(
-        "summary policies={n_policies} workloads={} pods={n_pods} cold_open_s={:.1} ready={ready} steady_kube_per_min={per_minute:.0} steady_gate_requests={gate_steady} steady_mgmt_per_min={mgmt_per_minute:.0} rollout_requests_single={} rollout_requests_statefulset={} rollout_requests_worker={} patches_per_pod_single={:.2} patches_per_pod_statefulset={:.2} patches_per_pod_worker={:.2} attach_to_patch_p50_ms={p50:.1} attach_to_patch_p99_ms={p99:.1} attach_to_patch_max_ms={max:.1} attaches={} tracked_pods={tracked} operator_rss_mib={:.1} peak_rss_mib={rss:.1} unexpected_requests={unexpected}",
+        "summary policies={n_policies} settings={settings} workloads={} pods={n_pods} cold_open_s={:.1} ready={ready} steady_kube_per_min={per_minute:.0} steady_gate_requests={gate_steady} steady_mgmt_per_min={mgmt_per_minute:.0} rollout_requests_single={} rollout_requests_statefulset={} rollout_requests_worker={} patches_per_pod_single={:.2} patches_per_pod_statefulset={:.2} patches_per_pod_worker={:.2} attach_to_patch_p50_ms={p50:.1} attach_to_patch_p99_ms={p99:.1} attach_to_patch_max_ms={max:.1} attaches={} tracked_pods={tracked} operator_rss_mib={:.1} peak_rss_mib={rss:.1} unexpected_requests={unexpected}",
         workloads.len(),
         opened.as_secs_f64(),
         costs[0].0,

@@ -8,7 +8,8 @@
 //! Paths run in turn, twice (A B C C B A), so drift on a shared machine falls on all.
 //!
 //! `cargo bench --bench reads` against the local broker (QUEUEGUARD_BENCH_BROKER,
-//! QUEUEGUARD_BENCH_MANAGEMENT; QUEUEGUARD_BENCH_POLICIES, default 500, each a queue and a
+//! QUEUEGUARD_BENCH_MANAGEMENT, QUEUEGUARD_BENCH_PROMETHEUS where the plugin is not on the
+//! management host's port 15692; QUEUEGUARD_BENCH_POLICIES, default 500, each a queue and a
 //! dead-letter queue; QUEUEGUARD_BENCH_ROUNDS per path and pass, default 5). The broker must
 //! run on this machine. Ends with one `key=value` summary line.
 
@@ -117,7 +118,8 @@ async fn main() {
     let management = env("QUEUEGUARD_BENCH_MANAGEMENT", "http://127.0.0.1:15672");
     let policies: usize = env("QUEUEGUARD_BENCH_POLICIES", "500").parse().unwrap();
     let rounds: u32 = env("QUEUEGUARD_BENCH_ROUNDS", "5").parse().unwrap();
-    let uri = BrokerUri::parse(&broker, Some(&management)).unwrap();
+    let prometheus = std::env::var("QUEUEGUARD_BENCH_PROMETHEUS").ok();
+    let uri = BrokerUri::parse(&broker, Some(&management)).unwrap().with_prometheus(prometheus.as_deref()).unwrap();
     let pid = listener(uri.amqp().authority.port).expect("the broker runs on this machine");
     let auto = ManagementClient::new(uri.management().clone(), None).unwrap();
     let plain = ManagementClient::new(uri.management().clone(), None).unwrap().without_prometheus();
@@ -158,7 +160,10 @@ async fn main() {
     let listing = auto.queues_in(&vhost, Duration::ZERO).await.unwrap();
     let prometheus = listing.source == StatsSource::Prometheus;
     if !prometheus {
-        println!("rabbitmq_prometheus does not answer for this broker on its management host: its path is skipped");
+        println!(
+            "rabbitmq_prometheus does not answer for this broker at {:?}: its path is skipped",
+            uri.management().metrics_urls
+        );
     }
 
     // The broker's idle rate, measured between the paths.

@@ -7,13 +7,15 @@
 #   env      shell exports that point the broker tests at it
 #   ctl ...  rabbitmqctl of that node
 #
-# AMQP 127.0.0.1:5673, management 127.0.0.1:15673, distribution 25673, node rabbit4@localhost,
-# guest/guest, plugins rabbitmq_management and rabbitmq_event_exchange.
+# AMQP 127.0.0.1:5673, management 127.0.0.1:15673, rabbitmq_prometheus 127.0.0.1:15693 (the
+# host's 15692 is the 3.10 broker's), distribution 25673, node rabbit4@localhost, guest/guest,
+# plugins rabbitmq_management, rabbitmq_event_exchange and rabbitmq_prometheus.
 set -euo pipefail
 
 ROOT="${QUEUEGUARD_RABBITMQ4_ROOT:-$HOME/.cache/queueguard/rabbitmq4-root}"
 AMQP_PORT=5673
 MGMT_PORT=15673
+PROMETHEUS_PORT=15693
 SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
 
@@ -37,17 +39,34 @@ make_root() {
   $SUDO debootstrap --variant=minbase --include=rabbitmq-server trixie "$tmp" \
     http://deb.debian.org/debian >"$(dirname "$ROOT")/debootstrap.log" 2>&1 \
     || fail "debootstrap failed; see $(dirname "$ROOT")/debootstrap.log"
-  $SUDO mkdir -p "$tmp/etc/rabbitmq"
-  $SUDO tee "$tmp/etc/rabbitmq/rabbitmq.conf" >/dev/null <<CONF
-listeners.tcp.default = 127.0.0.1:$AMQP_PORT
-management.tcp.port = $MGMT_PORT
-management.tcp.ip = 127.0.0.1
-loopback_users = none
-CONF
-  printf 'NODENAME=rabbit4@localhost\nDIST_PORT=25673\n' | $SUDO tee "$tmp/etc/rabbitmq/rabbitmq-env.conf" >/dev/null
-  echo '[rabbitmq_management,rabbitmq_event_exchange].' | $SUDO tee "$tmp/etc/rabbitmq/enabled_plugins" >/dev/null
   # Only a finished root is kept: an interrupted debootstrap starts over next time.
   $SUDO mv "$tmp" "$ROOT"
+}
+
+# Writes the node's configuration; says (exit 0) when it changed, so a running node restarts to
+# read it. Written on every start, so a root cached by an older version of this script is brought
+# up to date.
+configure() {
+  local etc="$ROOT/etc/rabbitmq" conf env plugins changed=1
+  conf="listeners.tcp.default = 127.0.0.1:$AMQP_PORT
+management.tcp.port = $MGMT_PORT
+management.tcp.ip = 127.0.0.1
+prometheus.tcp.port = $PROMETHEUS_PORT
+prometheus.tcp.ip = 127.0.0.1
+loopback_users = none"
+  env=$'NODENAME=rabbit4@localhost\nDIST_PORT=25673'
+  plugins='[rabbitmq_management,rabbitmq_event_exchange,rabbitmq_prometheus].'
+  $SUDO mkdir -p "$etc"
+  write() {
+    if [ "$($SUDO cat "$etc/$1" 2>/dev/null)" != "$2" ]; then
+      printf '%s\n' "$2" | $SUDO tee "$etc/$1" >/dev/null
+      changed=0
+    fi
+  }
+  write rabbitmq.conf "$conf"
+  write rabbitmq-env.conf "$env"
+  write enabled_plugins "$plugins"
+  return $changed
 }
 
 mount_root() {
@@ -59,12 +78,17 @@ mount_root() {
 
 answers() {
   curl -fsS -u guest:guest "http://127.0.0.1:$MGMT_PORT/api/overview" >/dev/null 2>&1 \
-    && (exec 3<>"/dev/tcp/127.0.0.1/$AMQP_PORT") 2>/dev/null
+    && (exec 3<>"/dev/tcp/127.0.0.1/$AMQP_PORT") 2>/dev/null \
+    && curl -fsS "http://127.0.0.1:$PROMETHEUS_PORT/metrics/detailed?family=identity_info" >/dev/null 2>&1
 }
 
 start() {
   [ -x "$ROOT/usr/sbin/rabbitmq-server" ] || make_root
   mount_root
+  if configure && in_root rabbitmqctl -q status >/dev/null 2>&1; then
+    echo "rabbitmq4: configuration changed, restarting"
+    in_root rabbitmqctl -q stop >/dev/null
+  fi
   if ! answers; then
     # `-detached` returns before the node has registered: the loop below waits for it.
     if ! in_root rabbitmqctl -q status >/dev/null 2>&1; then
@@ -80,7 +104,7 @@ start() {
     fi
     sleep 1
   done
-  fail "not answering on $AMQP_PORT and $MGMT_PORT after 120 s"
+  fail "not answering on $AMQP_PORT, $MGMT_PORT and $PROMETHEUS_PORT after 120 s"
 }
 
 # Stops the node and unmounts what `start` bound into the root, so that removing the root
@@ -107,6 +131,7 @@ case "${1:-}" in
     echo "export QUEUEGUARD_TEST_RABBITMQCTL='$(cd "$(dirname "$0")" && pwd)/rabbitmq4.sh ctl'"
     echo "export QUEUEGUARD_TEST_BROKER=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2F"
     echo "export QUEUEGUARD_TEST_MANAGEMENT=http://127.0.0.1:$MGMT_PORT"
+    echo "export QUEUEGUARD_TEST_PROMETHEUS=http://127.0.0.1:$PROMETHEUS_PORT"
     ;;
   *) echo "usage: $0 start | stop | env | ctl ARGS..." >&2; exit 2 ;;
 esac

@@ -222,6 +222,10 @@ pub struct BrokerArgs {
     /// scheme, credentials and vhost); as a Secret's `addresses` key.
     #[arg(long, env = "QUEUEGUARD_BROKER_ADDRESSES")]
     pub addresses: Option<String>,
+    /// rabbitmq_prometheus, http[s]://host:port per node, comma separated (default: each
+    /// management host on port 15692, 15691 with TLS); as a Secret's `prometheusUri` key.
+    #[arg(long, env = "QUEUEGUARD_PROMETHEUS_URI")]
+    pub prometheus: Option<String>,
 }
 
 impl BrokerArgs {
@@ -230,7 +234,8 @@ impl BrokerArgs {
             &self.broker,
             self.management.as_deref(),
             self.addresses.as_deref(),
-        )
+        )?
+        .with_prometheus(self.prometheus.as_deref())
     }
 }
 
@@ -417,6 +422,10 @@ pub struct ApplyArgs {
     /// With --broker: a cluster's nodes, host:port,host:port,... in the order to try.
     #[arg(long, env = "QUEUEGUARD_BROKER_ADDRESSES", requires = "broker")]
     pub addresses: Option<String>,
+    /// With --broker: rabbitmq_prometheus, http[s]://host:port per node (default: each
+    /// management host on port 15692, 15691 with TLS).
+    #[arg(long, env = "QUEUEGUARD_PROMETHEUS_URI", requires = "broker")]
+    pub prometheus: Option<String>,
 }
 
 /// The name kubectl runs a plugin by: `kubectl-queueguard` answers `kubectl queueguard ...`.
@@ -548,6 +557,7 @@ async fn apply(args: ApplyArgs) -> ExitCode {
         management_uri: args.management,
         ca_cert: None,
         addresses: args.addresses,
+        prometheus_uri: args.prometheus,
     });
     let pool = BrokerPool::new("queueguard-apply");
     let results = local::apply(&manifest, broker.as_ref(), &pool, Limits::default()).await;

@@ -25,7 +25,10 @@ use lapin::{
     },
     types::{AMQPValue, FieldTable},
 };
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::Duration,
+};
 
 /// How the queue itself is checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -305,8 +308,17 @@ pub fn policy_failure(e: ManagementError) -> Check {
 async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check, Option<String>) {
     let failed = policy_failure;
     // The list is let go before the write, so recording our write need not copy it.
-    let decision = match broker.management.policies(vhost).await {
-        Ok(existing) => settings::policy_decision(plan, &existing),
+    let decide = |fresh_within| async move {
+        broker.management.policies(vhost, fresh_within).await.map(|existing| settings::policy_decision(plan, &existing))
+    };
+    // A list up to LISTING_MAX_AGE old serves the passes at rest, one read per vhost for all its
+    // policies; anything it says needs doing or reporting is read again before it is acted on.
+    let decision = match decide(LISTING_MAX_AGE).await {
+        Ok(d) if d.settled() => d,
+        Ok(_) => match decide(Duration::ZERO).await {
+            Ok(d) => d,
+            Err(e) => return (failed(e), None),
+        },
         Err(e) => return (failed(e), None),
     };
     if !decision.up_to_date

@@ -86,8 +86,9 @@ pub struct QueuePolicySpec {
 pub struct BrokerSpec {
     /// Secret holding `uri` (amqp:// or amqps://user:pass@host:port/vhost) and optionally
     /// `managementUri` (http[s]://host:15672, comma-separated for a cluster; default: each AMQP
-    /// host on port 15672 with the same credentials), `caCert` (PEM) and `addresses` (a cluster's
-    /// nodes, host:port,host:port,... in the order to try).
+    /// host on port 15672 with the same credentials), `caCert` (PEM), `addresses` (a cluster's
+    /// nodes, host:port,host:port,... in the order to try) and `prometheusUri` (rabbitmq_prometheus,
+    /// http[s]://host:port per node; default: each management host on port 15692).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretRef>,
     /// A RabbitmqCluster (rabbitmq.com/v1beta1) made by the RabbitMQ Cluster Operator: its

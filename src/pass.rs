@@ -33,13 +33,12 @@ pub fn broker_for(
     vhost: Option<&str>,
     creds: &BrokerCredentials,
 ) -> Result<Arc<Broker>, Check> {
-    let uri = BrokerUri::parse_cluster(&creds.uri, creds.management_uri.as_deref(), creds.addresses.as_deref())
-        .map_err(|e| match source {
-            BrokerSource::Secret { .. } => Check::failed(Reason::InvalidBrokerUri, format!("{source} key {e}")),
-            BrokerSource::RabbitmqCluster { .. } => {
-                Check::failed(Reason::InvalidBrokerUri, format!("{source}'s default user Secret gives no usable {e}"))
-            }
-        })?;
+    let uri = BrokerUri::from_credentials(creds).map_err(|e| match source {
+        BrokerSource::Secret { .. } => Check::failed(Reason::InvalidBrokerUri, format!("{source} key {e}")),
+        BrokerSource::RabbitmqCluster { .. } => {
+            Check::failed(Reason::InvalidBrokerUri, format!("{source}'s default user Secret gives no usable {e}"))
+        }
+    })?;
     let uri = match vhost {
         Some(vhost) => uri.with_vhost(vhost),
         None => uri,

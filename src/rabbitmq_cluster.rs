@@ -199,7 +199,7 @@ impl RabbitmqCluster {
             .and_then(|d| d.get(CA_KEY))
             .and_then(|b| String::from_utf8(b.0.clone()).ok())
             .filter(|pem| !pem.trim().is_empty());
-        Ok(BrokerCredentials { uri, management_uri: None, ca_cert, addresses })
+        Ok(BrokerCredentials { uri, management_uri: None, ca_cert, addresses, prometheus_uri: None })
     }
 
     /// The DNS names of its pods, when there is more than one: `<name>-server-<i>.<name>-nodes.<ns>.svc`.

@@ -1,5 +1,5 @@
-//! Broker credentials from a Kubernetes Secret: key `uri`, optional `managementUri`, `caCert` and
-//! `addresses`.
+//! Broker credentials from a Kubernetes Secret: key `uri`, optional `managementUri`, `caCert`,
+//! `addresses` and `prometheusUri`.
 
 use crate::{
     broker::BrokerCredentials,
@@ -12,13 +12,15 @@ pub const URI_KEY: &str = "uri";
 pub const MANAGEMENT_URI_KEY: &str = "managementUri";
 pub const CA_CERT_KEY: &str = "caCert";
 pub const ADDRESSES_KEY: &str = "addresses";
+pub const PROMETHEUS_URI_KEY: &str = "prometheusUri";
 /// Every key the operator reads, from its own Secrets and from a RabbitmqCluster's default-user
 /// and CA Secrets; a Secret's other keys are never kept.
-pub const KEYS: [&str; 9] = [
+pub const KEYS: [&str; 10] = [
     URI_KEY,
     MANAGEMENT_URI_KEY,
     CA_CERT_KEY,
     ADDRESSES_KEY,
+    PROMETHEUS_URI_KEY,
     rabbitmq_cluster::DEFAULT_USER_KEYS[0],
     rabbitmq_cluster::DEFAULT_USER_KEYS[1],
     rabbitmq_cluster::DEFAULT_USER_KEYS[2],
@@ -53,6 +55,7 @@ pub fn credentials(secret: &Secret) -> Result<BrokerCredentials, Check> {
         management_uri: read(MANAGEMENT_URI_KEY)?,
         ca_cert: read(CA_CERT_KEY)?,
         addresses: read(ADDRESSES_KEY)?,
+        prometheus_uri: read(PROMETHEUS_URI_KEY)?,
     })
 }
 
@@ -71,9 +74,15 @@ mod tests {
 
     #[test]
     fn reads_uri_and_optional_keys() {
-        let c = credentials(&secret(&[("uri", "amqp://u:p@h/\n"), ("managementUri", "http://h:15672")])).unwrap();
+        let c = credentials(&secret(&[
+            ("uri", "amqp://u:p@h/\n"),
+            ("managementUri", "http://h:15672"),
+            ("prometheusUri", "http://h:15693"),
+        ]))
+        .unwrap();
         assert_eq!(c.uri, "amqp://u:p@h/");
         assert_eq!(c.management_uri.as_deref(), Some("http://h:15672"));
+        assert_eq!(c.prometheus_uri.as_deref(), Some("http://h:15693"));
         assert_eq!(c.ca_cert, None);
     }
 

@@ -98,6 +98,13 @@ pub struct PolicyDecision {
     pub unreadable: Vec<String>,
 }
 
+impl PolicyDecision {
+    /// Nothing to write and nothing in the way: the state a fleet at rest is in.
+    pub fn settled(&self) -> bool {
+        self.up_to_date && self.shadowed_by.is_none()
+    }
+}
+
 /// Decides the operator policy for `plan` among the vhost's `existing` policies.
 pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecision {
     let mut unreadable = Vec::new();

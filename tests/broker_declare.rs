@@ -10,6 +10,7 @@ use lapin::{
     types::{AMQPValue, FieldTable},
 };
 use queueguard::{
+    broker::management::LISTING_MAX_AGE,
     broker::{BrokerCredentials, BrokerPool},
     claims::Claims,
     consumers::TrackerPool,
@@ -257,6 +258,41 @@ async fn a_user_policy_that_shadows_the_operator_is_reported_and_left_alone() {
     mgmt_delete(&format!("policies/%2F/{}", enc(&user_policy))).await;
     assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "ready once the shadow is gone");
     remove_all(&plan).await;
+}
+
+#[tokio::test]
+async fn passes_at_rest_share_one_read_of_the_vhosts_policies_and_a_lost_policy_is_put_back_within_its_age() {
+    let plans: Vec<_> = (0..5).map(|_| plan_of(&policy(&unique("rest"), "{}"))).collect();
+    let pool = BrokerPool::new(unique("conn"));
+    let brokers: Vec<_> = plans.iter().map(|p| broker(&pool, p)).collect();
+    let management = &brokers[0].management;
+    assert!(brokers.iter().all(|b| Arc::ptr_eq(b, &brokers[0])), "one endpoint for the vhost");
+    let pass = || async {
+        let before = management.requests();
+        for (plan, broker) in plans.iter().zip(&brokers) {
+            let outcome = converge::converge(plan, broker, &[], Mode::Declare).await;
+            assert!(outcome.is_ready(), "{outcome:#?}");
+            assert_eq!(outcome.settings.reason, Reason::PolicyApplied);
+        }
+        management.requests() - before
+    };
+    let cold = pass().await;
+    assert!(cold >= 5, "five policies written: {cold} management requests");
+    assert_eq!(pass().await, 0, "at rest: the vhost's policies as last read, with our own writes");
+    // Someone deletes one. A list younger than LISTING_MAX_AGE still shows it; the first pass
+    // on an older one reads the vhost again and puts it back.
+    let lost = &plans[2].policy_name;
+    mgmt_delete(&format!("policies/%2F/{}", enc(lost))).await;
+    tokio::time::sleep(LISTING_MAX_AGE + Duration::from_secs(1)).await;
+    let restoring = pass().await;
+    assert_eq!(
+        restoring, 4,
+        "for all five: one read of the vhost's policies, one more before the write, the write, and one queue listing"
+    );
+    assert!(mgmt_get(&format!("policies/%2F/{}", enc(lost))).await.is_some(), "put back");
+    for plan in &plans {
+        remove_all(plan).await;
+    }
 }
 
 #[tokio::test]
@@ -631,7 +667,13 @@ async fn twenty_credential_rotations_leave_the_connection_count_constant() {
         let password = format!("p{round}");
         set_password(password.clone()).await;
         let uri = format!("amqp://{}:{password}@{}/%2F", enc(&user), broker_addr());
-        let creds = BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: None, addresses: None };
+        let creds = BrokerCredentials {
+            uri,
+            management_uri: Some(management_base()),
+            ca_cert: None,
+            addresses: None,
+            prometheus_uri: None,
+        };
         let rotated_at = Instant::now();
         let broker = queueguard::pass::broker_for_plan(&pool, &plan, &creds).unwrap();
         assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready(), "round {round}");

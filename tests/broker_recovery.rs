@@ -17,8 +17,13 @@ async fn an_outage_is_reported_and_recovered_from_without_a_restart() {
     let proxy = Proxy::start(&broker_addr()).await;
     let name = unique("outage");
     let plan = plan_of(&policy(&name, "{}"));
-    let creds =
-        BrokerCredentials { uri: proxy.uri(), management_uri: Some(management_base()), ca_cert: None, addresses: None };
+    let creds = BrokerCredentials {
+        uri: proxy.uri(),
+        management_uri: Some(management_base()),
+        ca_cert: None,
+        addresses: None,
+        prometheus_uri: None,
+    };
     let pool = BrokerPool::new(unique("conn"));
     let broker = pass::broker_for_plan(&pool, &plan, &creds).unwrap();
     assert!(converge::converge(&plan, &broker, &[], Mode::Declare).await.is_ready());

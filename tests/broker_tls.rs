@@ -64,8 +64,13 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     let plan = plan_of(&policy(&name, "{}"));
     let uri = format!("amqps://guest:guest@127.0.0.1:{port}/%2F");
 
-    let untrusted =
-        BrokerCredentials { uri: uri.clone(), management_uri: Some(management_base()), ca_cert: None, addresses: None };
+    let untrusted = BrokerCredentials {
+        uri: uri.clone(),
+        management_uri: Some(management_base()),
+        ca_cert: None,
+        addresses: None,
+        prometheus_uri: None,
+    };
     let pool = BrokerPool::new(unique("conn"));
     let broker = pass::broker_for_plan(&pool, &plan, &untrusted).unwrap();
     let refused = converge::converge(&plan, &broker, &[], Mode::Declare).await;
@@ -76,8 +81,13 @@ async fn amqps_with_the_secrets_ca_certificate_declares_the_queue() {
     );
     assert!(!exists(&name).await);
 
-    let trusted =
-        BrokerCredentials { uri, management_uri: Some(management_base()), ca_cert: Some(ca), addresses: None };
+    let trusted = BrokerCredentials {
+        uri,
+        management_uri: Some(management_base()),
+        ca_cert: Some(ca),
+        addresses: None,
+        prometheus_uri: None,
+    };
     let broker = pass::broker_for_plan(&pool, &plan, &trusted).unwrap();
     assert_eq!(broker.uri.display(), format!("amqps://127.0.0.1:{port}/%2F"));
     let outcome = converge::converge(&plan, &broker, &[], Mode::Declare).await;

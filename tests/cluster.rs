@@ -71,12 +71,12 @@ impl Cluster {
             management_uri: Some(self.management.clone()),
             ca_cert: None,
             addresses: Some(self.addresses.clone()),
+            prometheus_uri: None,
         }
     }
 
     fn uri(&self) -> BrokerUri {
-        let c = self.credentials();
-        BrokerUri::parse_cluster(&c.uri, c.management_uri.as_deref(), c.addresses.as_deref()).unwrap()
+        BrokerUri::from_credentials(&self.credentials()).unwrap()
     }
 
     fn tracker(&self, pool: &TrackerPool) -> Arc<ConsumerTracker> {

@@ -12,7 +12,7 @@ use lapin::{
     types::FieldTable,
 };
 use queueguard::{
-    broker::{Broker, BrokerPool},
+    broker::{Broker, BrokerPool, uri::BrokerUri},
     converge::{self, Mode},
     crd::Finding,
     findings::{self, Memory, Report},
@@ -285,14 +285,14 @@ async fn the_looks_of_a_vhosts_policies_share_one_queue_listing_per_interval() {
     }
 }
 
-/// The cluster the test broker's management API names, and the one its host's port 15692
-/// answers for (None when nothing answers there).
-async fn clusters_here() -> (String, Option<String>) {
+/// The cluster the test broker's management API names, and the one its rabbitmq_prometheus
+/// address answers for (None when nothing answers there): port 15692 of its management host, or
+/// QUEUEGUARD_TEST_PROMETHEUS.
+async fn clusters_here() -> (String, Option<String>, url::Url) {
     queueguard::tls::install_crypto_provider();
     let ours = mgmt_get("overview").await.unwrap()["cluster_name"].as_str().unwrap().to_owned();
-    let url = url::Url::parse(&management_base()).unwrap();
-    let metrics = format!("http://{}:15692/metrics/detailed?family=identity_info", url.host_str().unwrap());
-    let theirs = match reqwest::get(&metrics).await {
+    let endpoint = BrokerUri::from_credentials(&common::credentials()).unwrap().management().metrics_urls[0].clone();
+    let theirs = match reqwest::get(format!("{endpoint}?family=identity_info")).await {
         Ok(answer) => answer.text().await.ok().and_then(|text| {
             let line = text.lines().find(|l| l.starts_with("rabbitmq_identity_info"))?.to_owned();
             let start = line.find("rabbitmq_cluster=\"")? + "rabbitmq_cluster=\"".len();
@@ -300,16 +300,19 @@ async fn clusters_here() -> (String, Option<String>) {
         }),
         Err(_) => None,
     };
-    (ours, theirs)
+    (ours, theirs, endpoint)
 }
 
 #[tokio::test]
 async fn counters_come_from_rabbitmq_prometheus_when_it_answers_for_this_broker_and_agree_with_the_management_api() {
     use queueguard::{broker::prometheus, crd::StatsSource};
-    let (ours, at_15692) = clusters_here().await;
+    let (ours, at_endpoint, endpoint) = clusters_here().await;
     let expected =
-        if at_15692.as_deref() == Some(ours.as_str()) { StatsSource::Prometheus } else { StatsSource::Management };
-    eprintln!("broker cluster '{ours}', port 15692 answers for {at_15692:?}: expecting {expected:?}");
+        if at_endpoint.as_deref() == Some(ours.as_str()) { StatsSource::Prometheus } else { StatsSource::Management };
+    eprintln!("broker cluster '{ours}', {endpoint} answers for {at_endpoint:?}: expecting {expected:?}");
+    if common::prometheus_base().is_some() {
+        assert_eq!(expected, StatsSource::Prometheus, "QUEUEGUARD_TEST_PROMETHEUS names this broker's plugin");
+    }
     let name = unique("prom");
     let plan = plan_of(&policy_doc(&name, &format!("queue: {{name: {name}}}")));
     let pool = BrokerPool::new(unique("prom-op"));
@@ -358,9 +361,9 @@ async fn counters_come_from_rabbitmq_prometheus_when_it_answers_for_this_broker_
     }
     let q = &listing.queues[&name];
     assert_eq!((q.messages_ready, q.messages_unacknowledged), (Some(2), Some(3)), "the same depths");
-    if let Some(cluster) = at_15692 {
-        // The identity check: the port's own cluster is read, another name is refused.
-        let url = prometheus::endpoints(&[management_base().parse().unwrap()]).remove(0);
+    if let Some(cluster) = at_endpoint {
+        // The identity check: the endpoint's own cluster is read, another name is refused.
+        let url = endpoint;
         let http = reqwest::Client::new();
         assert!(prometheus::scrape(&http, &url, "/", &cluster).await.is_ok());
         let err = prometheus::scrape(&http, &url, "/", "some-other-cluster").await.unwrap_err();

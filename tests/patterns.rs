@@ -14,6 +14,7 @@ use lapin::{
 use queueguard::{
     broker::{Broker, BrokerPool},
     controller::{Context, FINALIZER, FINDINGS_EVERY, pattern as pattern_controller},
+    crd::StatsSource,
     pass,
     pattern::{self, PatternPlan, WatchMemory, WatchReport, broker as pattern_broker, crd::QueuePattern},
     plan::Limits,
@@ -55,8 +56,11 @@ impl Watch {
     }
 
     async fn look(&mut self) -> WatchReport {
-        let (seen, _) = pattern_broker::matching(&self.plan, &self.broker, Duration::ZERO).await.unwrap();
-        let (memory, report) = pattern::evaluate(&self.memory, &seen, &self.plan.ignore);
+        let looked = pattern_broker::matching(&self.plan, &self.broker, Duration::ZERO).await.unwrap();
+        if prometheus_base().is_some() {
+            assert_eq!(looked.source, StatsSource::Prometheus, "QUEUEGUARD_TEST_PROMETHEUS names this broker's plugin");
+        }
+        let (memory, report) = pattern::evaluate(&self.memory, &looked.seen, &self.plan.ignore);
         self.memory = memory;
         report
     }
@@ -169,8 +173,8 @@ async fn replies_nobody_reads_are_orphans_until_read() {
 
 /// A look that does not disturb the leak memory (orphans need no history).
 async fn watch_look(watch: &Watch) -> WatchReport {
-    let (seen, _) = pattern_broker::matching(&watch.plan, &watch.broker, Duration::ZERO).await.unwrap();
-    pattern::evaluate(&WatchMemory::default(), &seen, &[]).1
+    let looked = pattern_broker::matching(&watch.plan, &watch.broker, Duration::ZERO).await.unwrap();
+    pattern::evaluate(&WatchMemory::default(), &looked.seen, &[]).1
 }
 
 fn secret() -> Value {
@@ -178,9 +182,9 @@ fn secret() -> Value {
     s.metadata.name = Some("rabbitmq".into());
     s.metadata.namespace = Some("test".into());
     s.data = Some(
-        [("uri", broker_uri()), ("managementUri", management_base())]
+        [("uri", Some(broker_uri())), ("managementUri", Some(management_base())), ("prometheusUri", prometheus_base())]
             .into_iter()
-            .map(|(k, v)| (k.to_owned(), ByteString(v.into_bytes())))
+            .filter_map(|(k, v)| Some((k.to_owned(), ByteString(v?.into_bytes()))))
             .collect(),
     );
     serde_json::to_value(s).unwrap()
@@ -206,6 +210,11 @@ async fn the_controller_applies_the_policy_and_reports_status_and_events() {
         let ready = status["conditions"].as_array().unwrap().iter().find(|c| c["type"] == "Ready").unwrap().clone();
         assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("True"), Some("PolicyApplied")));
         assert_eq!(status["queues"]["matching"], 0);
+        let source = status["statsSource"].as_str();
+        assert!(matches!(source, Some("Management" | "Prometheus")), "the look says where its counts come from");
+        if prometheus_base().is_some() {
+            assert_eq!(source, Some("Prometheus"), "through the Secret's prometheusUri");
+        }
         assert!(!status.to_string().contains("guest:guest"), "no credentials in status");
         call.respond(StatusCode::OK, &echo);
         let event = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;

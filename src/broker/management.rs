@@ -292,14 +292,18 @@ impl ManagementClient {
         self.get_opt(&["queues", vhost, name]).await
     }
 
-    /// The vhost's policies. Concurrent callers share one read: a caller that waited while
-    /// another read went out after it asked takes that answer, which is as fresh as its own
-    /// would have been; nobody gets a list read before they asked (plus our own writes since).
-    pub async fn policies(&self, vhost: &str) -> Result<Arc<Vec<PolicyInfo>>, ManagementError> {
+    /// The vhost's policies, from a read no earlier than `fresh_within` before the call, plus
+    /// our own writes since (every write goes through this client). With `Duration::ZERO`
+    /// concurrent callers share one read: a caller that waited while another read went out after
+    /// it asked takes that answer, which is as fresh as its own would have been. A window lets
+    /// every pass of a vhost's policies at rest share one read; what it can hide is only a change
+    /// someone else made within it, which the next pass sees.
+    pub async fn policies(&self, vhost: &str, fresh_within: Duration) -> Result<Arc<Vec<PolicyInfo>>, ManagementError> {
         let asked = std::time::Instant::now();
+        let oldest = asked.checked_sub(fresh_within).unwrap_or(asked);
         let mut cache = self.policies.lock().await;
         if let Some((read_at, list)) = cache.get(vhost)
-            && *read_at >= asked
+            && *read_at >= oldest
         {
             return Ok(Arc::clone(list));
         }
@@ -403,7 +407,7 @@ impl ManagementClient {
                 let overview: Option<Value> =
                     self.get_query(&["overview"], "columns=cluster_name").await.ok().flatten();
                 let cluster = overview?.get("cluster_name")?.as_str()?.to_owned();
-                (prometheus::endpoints(&self.endpoint.base_urls), cluster)
+                (self.endpoint.metrics_urls.clone(), cluster)
             }
         };
         let mut total = HashMap::new();
@@ -681,6 +685,7 @@ mod tests {
             base_urls: vec!["http://h:15672/prefix/".parse().unwrap()],
             username: "u".into(),
             password: "p".into(),
+            metrics_urls: Vec::new(),
         };
         let client = ManagementClient::new(endpoint, None).unwrap();
         assert_eq!(
@@ -732,7 +737,12 @@ mod tests {
                 });
             }
         });
-        let endpoint = ManagementEndpoint { base_urls: vec![base_url], username: "u".into(), password: "p".into() };
+        let endpoint = ManagementEndpoint {
+            base_urls: vec![base_url],
+            username: "u".into(),
+            password: "p".into(),
+            metrics_urls: Vec::new(),
+        };
         (ManagementClient::new(endpoint, None).unwrap(), seen)
     }
 

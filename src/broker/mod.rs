@@ -31,6 +31,9 @@ pub struct BrokerCredentials {
     pub ca_cert: Option<String>,
     /// `addresses`: `host:port,host:port` of a cluster's nodes, tried in order
     pub addresses: Option<String>,
+    /// `prometheusUri`: http[s]://host:port of rabbitmq_prometheus, one per node (default: each
+    /// management host on port 15692, 15691 with TLS)
+    pub prometheus_uri: Option<String>,
 }
 
 impl std::fmt::Debug for BrokerCredentials {

@@ -8,7 +8,8 @@
 //! idle), while these counters are read from the nodes' metrics tables.
 //!
 //! The plugin answers on each node's own port 15692 (15691 with TLS), next to its management
-//! API, and reports only what lives on that node: every node is read. It is used only after it
+//! API, unless the Secret's `prometheusUri` names other addresses, and reports only what lives on
+//! that node: every node is read. It is used only after it
 //! has answered for the same cluster the management API names (its `rabbitmq_identity_info`),
 //! so a port 15692 that belongs to another broker on the same host is never read as this one.
 
@@ -66,6 +67,31 @@ pub fn endpoints(management: &[Url]) -> Vec<Url> {
             url.set_path("/metrics/detailed");
             url.set_query(None);
             Some(url)
+        })
+        .collect()
+}
+
+/// The Secret's `prometheusUri`: http[s]://host:port[/prefix], one per node, comma separated.
+/// Refuses credentials (the plugin's endpoint takes none, and its URLs reach the logs). Never
+/// quotes the input back.
+pub fn parse_endpoints(list: &str) -> Result<Vec<Url>, String> {
+    list.split(',')
+        .map(|one| {
+            let mut url = Url::parse(one.trim()).map_err(|e| format!("not a URI ({e})"))?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(format!("scheme must be http or https, not {:?}", url.scheme()));
+            }
+            if url.host_str().is_none_or(str::is_empty) {
+                return Err("has no host".into());
+            }
+            if !url.username().is_empty() || url.password().is_some() {
+                return Err("must not carry credentials (rabbitmq_prometheus takes none)".into());
+            }
+            let path = format!("{}/metrics/detailed", url.path().trim_end_matches('/'));
+            url.set_path(&path);
+            url.set_query(None);
+            url.set_fragment(None);
+            Ok(url)
         })
         .collect()
 }
@@ -233,5 +259,20 @@ rabbitmq_identity_info{rabbitmq_node="rabbit@a",rabbitmq_cluster="rabbit@a",rabb
         let urls: Vec<&str> = urls.iter().map(Url::as_str).collect();
         assert_eq!(urls, ["http://a:15692/metrics/detailed", "https://b:15691/metrics/detailed"]);
         assert!(parse("garbage{\nx 1\n").iter().all(|s| s.name == "x"), "malformed lines are skipped");
+    }
+
+    #[test]
+    fn a_secret_may_name_the_plugins_addresses() {
+        let urls = parse_endpoints("http://a:15693, https://b:9419/rabbit/").unwrap();
+        let urls: Vec<&str> = urls.iter().map(Url::as_str).collect();
+        assert_eq!(urls, ["http://a:15693/metrics/detailed", "https://b:9419/rabbit/metrics/detailed"]);
+        for (bad, why) in [
+            ("amqp://a:5672", "scheme must be http or https"),
+            ("http://a:1,", "not a URI"),
+            ("http://u:s3cret@a:15692", "must not carry credentials"),
+        ] {
+            let e = parse_endpoints(bad).unwrap_err();
+            assert!(e.contains(why) && !e.contains("s3cret"), "{bad}: {e}");
+        }
     }
 }

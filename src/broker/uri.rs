@@ -39,12 +39,15 @@ impl fmt::Display for Node {
 }
 
 /// The management API: base URLs without credentials (one per node, tried in order), plus the
-/// credentials.
+/// credentials, and rabbitmq_prometheus's per-object endpoint on each node.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ManagementEndpoint {
     pub base_urls: Vec<Url>,
     pub username: String,
     pub password: String,
+    /// `/metrics/detailed` of every node: the Secret's `prometheusUri`, else each management
+    /// host on the plugin's port.
+    pub metrics_urls: Vec<Url>,
 }
 
 impl ManagementEndpoint {
@@ -79,6 +82,24 @@ impl BrokerUri {
     /// input, since it carries a password.
     pub fn parse(uri: &str, management_uri: Option<&str>) -> Result<Self, UriError> {
         Self::parse_cluster(uri, management_uri, None)
+    }
+
+    /// Everything a Secret (or a RabbitmqCluster's default user) gives: `uri`, `managementUri`,
+    /// `addresses` and `prometheusUri`.
+    pub fn from_credentials(creds: &super::BrokerCredentials) -> Result<Self, UriError> {
+        Self::parse_cluster(&creds.uri, creds.management_uri.as_deref(), creds.addresses.as_deref())?
+            .with_prometheus(creds.prometheus_uri.as_deref())
+    }
+
+    /// rabbitmq_prometheus's endpoints from `prometheusUri` (http[s]://host:port, one per node,
+    /// comma separated) instead of the management hosts on the plugin's default port: for a
+    /// plugin that listens elsewhere or behind another address.
+    pub fn with_prometheus(mut self, list: Option<&str>) -> Result<Self, UriError> {
+        if let Some(list) = list.map(str::trim).filter(|l| !l.is_empty()) {
+            self.management.metrics_urls =
+                super::prometheus::parse_endpoints(list).map_err(|why| UriError { field: "prometheusUri", why })?;
+        }
+        Ok(self)
     }
 
     /// As [`Self::parse`], with the Secret's optional `addresses`: `host:port` of each node, comma
@@ -143,6 +164,7 @@ impl BrokerUri {
                     base_urls: parsed.into_iter().flat_map(|m| m.base_urls).collect(),
                     username: first.username,
                     password: first.password,
+                    metrics_urls: Vec::new(),
                 }
             }
             None => {
@@ -155,9 +177,11 @@ impl BrokerUri {
                     .map(|n| Url::parse(&format!("{scheme}://{}:{port}/", bracket_ipv6(&n.host))))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| err("uri", &format!("cannot derive the management URI ({e})")))?;
-                ManagementEndpoint { base_urls, username, password }
+                ManagementEndpoint { base_urls, username, password, metrics_urls: Vec::new() }
             }
         };
+        let management =
+            ManagementEndpoint { metrics_urls: super::prometheus::endpoints(&management.base_urls), ..management };
         let mut amqp = amqp;
         amqp.authority.host = nodes[0].host.clone();
         amqp.authority.port = nodes[0].port;
@@ -217,7 +241,7 @@ impl BrokerUri {
         let mut h = DefaultHasher::new();
         self.amqp.to_string().hash(&mut h);
         self.nodes.hash(&mut h);
-        for url in &self.management.base_urls {
+        for url in self.management.base_urls.iter().chain(&self.management.metrics_urls) {
             url.as_str().hash(&mut h);
         }
         self.management.username.hash(&mut h);
@@ -261,7 +285,7 @@ fn parse_management(uri: &str, username: &str, password: &str) -> Result<Managem
         url.set_path(&path);
     }
     url.set_query(None);
-    Ok(ManagementEndpoint { base_urls: vec![url], username: user, password: pass })
+    Ok(ManagementEndpoint { base_urls: vec![url], username: user, password: pass, metrics_urls: Vec::new() })
 }
 
 /// `host:port,host:port` (port optional, `[v6]:port` for IPv6). Never quotes the input back:
@@ -414,6 +438,27 @@ mod tests {
             uri.endpoint_key(),
             BrokerUri::parse("amqp://u:p@lb.example.com/orders", None).unwrap().endpoint_key()
         );
+    }
+
+    #[test]
+    fn rabbitmq_prometheus_sits_beside_each_management_api_unless_the_secret_says_where() {
+        let creds = |prometheus: Option<&str>| super::super::BrokerCredentials {
+            uri: "amqps://u:p@h/".into(),
+            management_uri: None,
+            ca_cert: None,
+            addresses: Some("a:5671,b:5671".into()),
+            prometheus_uri: prometheus.map(Into::into),
+        };
+        let metrics =
+            |uri: &BrokerUri| -> Vec<String> { uri.management().metrics_urls.iter().map(Url::to_string).collect() };
+        let derived = BrokerUri::from_credentials(&creds(None)).unwrap();
+        assert_eq!(metrics(&derived), ["https://a:15691/metrics/detailed", "https://b:15691/metrics/detailed"]);
+        let named = BrokerUri::from_credentials(&creds(Some("http://a:15693,http://b:15693"))).unwrap();
+        assert_eq!(metrics(&named), ["http://a:15693/metrics/detailed", "http://b:15693/metrics/detailed"]);
+        assert_ne!(derived.endpoint_key(), named.endpoint_key(), "a changed prometheusUri is another endpoint");
+        let e = BrokerUri::from_credentials(&creds(Some("http://u:topsecret@a:15693"))).unwrap_err();
+        assert_eq!(e.field, "prometheusUri");
+        assert!(!e.to_string().contains("topsecret"), "{e}");
     }
 
     #[test]

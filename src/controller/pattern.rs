@@ -11,7 +11,7 @@ use crate::{
     metrics::PolicyLabels,
     pattern::{
         self, WatchMemory,
-        broker::{apply_policy, matching, remove_policy},
+        broker::{Matching, apply_policy, matching, remove_policy},
         crd::QueuePattern,
         status::{next_status, transitions},
     },
@@ -45,15 +45,15 @@ pub fn error_policy(_: Arc<QueuePattern>, error: &Error, _: Arc<PatternContext>)
 async fn apply(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> {
     let ns = p.namespace().unwrap_or_else(|| "default".into());
     let me = ObjectRef::from_obj(p);
-    let (ready, report, policy) = match pattern::plan(p, ctx.shared.limits) {
+    let (ready, looked, policy) = match pattern::plan(p, ctx.shared.limits) {
         Err(errors) => (Check::failed(Reason::InvalidSpec, plan::describe(&errors)), None, None),
         Ok(plan) => match broker_from_source(&ctx.shared, &ns, &plan.broker, plan.vhost.as_deref()).await? {
             Err(check) => (check, None, None),
             Ok(broker) => {
                 let mut applied = apply_policy(&plan, &broker).await;
-                let report = if applied.is_ok() {
+                let looked = if applied.is_ok() {
                     match matching(&plan, &broker, LISTING_MAX_AGE).await {
-                        Ok((seen, elsewhere)) => {
+                        Ok(Matching { seen, elsewhere, source }) => {
                             if elsewhere > 0 {
                                 applied.message.push_str(&format!(
                                     "; {elsewhere} matching queue(s) follow another policy with a higher priority instead"
@@ -62,7 +62,7 @@ async fn apply(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> 
                             let memory = lock(&ctx.watched).remove(&me).unwrap_or_default();
                             let (memory, report) = pattern::evaluate(&memory, &seen, &plan.ignore);
                             lock(&ctx.watched).insert(me.clone(), memory);
-                            Some(report)
+                            Some((report, source))
                         }
                         Err(e) => {
                             tracing::debug!(error = %e, "could not list the matching queues");
@@ -72,16 +72,17 @@ async fn apply(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error> 
                 } else {
                     None
                 };
-                (applied, report, Some(plan.policy_name))
+                (applied, looked, Some(plan.policy_name))
             }
         },
     };
     let labels = PolicyLabels { namespace: ns.clone(), policy: p.name_any() };
-    if let Some(r) = &report {
+    if let Some((r, _)) = &looked {
         ctx.shared.metrics.record_pattern(&labels, r);
     }
     let previous = p.status.as_ref();
-    let status = next_status(previous, &ready, report.as_ref(), policy, p.metadata.generation, Timestamp::now());
+    let looked = looked.as_ref().map(|(r, source)| (r, *source));
+    let status = next_status(previous, &ready, looked, policy, p.metadata.generation, Timestamp::now());
     if previous != Some(&status) {
         let old = previous.map(|s| s.conditions.as_slice()).unwrap_or_default();
         let events = transitions(old, &status.conditions);

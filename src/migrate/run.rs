@@ -229,7 +229,8 @@ impl<J: Journal> Step<'_, J> {
     /// a short settle stands in for them, for a queue on another node.
     async fn raise_fence(&self, policy: &PolicyInfo) -> Result<(), Error> {
         let management = &self.broker.management;
-        let others = management.policies(self.vhost).await?;
+        // The fence must outrank every policy there is now, so no older list will do.
+        let others = management.policies(self.vhost, Duration::ZERO).await?;
         let top = others.iter().filter(|p| p.name != policy.name).map(|p| p.priority).max().unwrap_or(0);
         let policy = PolicyInfo { priority: policy.priority.max(top + 1), ..policy.clone() };
         management.put_policy(self.vhost, &policy).await?;

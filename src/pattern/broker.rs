@@ -4,8 +4,9 @@ use super::{PatternPlan, QueueSeen};
 use crate::{
     broker::{
         Broker,
-        management::{ManagementError, PolicyInfo},
+        management::{LISTING_MAX_AGE, ManagementError, PolicyInfo},
     },
+    crd::StatsSource,
     status::{Check, Reason},
 };
 use regex::Regex;
@@ -21,10 +22,18 @@ pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
         priority: plan.priority,
         definition: plan.definition.clone(),
     };
-    let up_to_date = match broker.management.policies(&vhost).await {
-        Ok(existing) => existing.contains(&desired),
-        Err(e) => return failed(e),
-    };
+    // A list up to LISTING_MAX_AGE old serves the looks at rest; one without the policy is read
+    // again before writing.
+    let mut up_to_date = false;
+    for fresh_within in [LISTING_MAX_AGE, Duration::ZERO] {
+        up_to_date = match broker.management.policies(&vhost, fresh_within).await {
+            Ok(existing) => existing.contains(&desired),
+            Err(e) => return failed(e),
+        };
+        if up_to_date {
+            break;
+        }
+    }
     if !up_to_date && let Err(e) = broker.management.put_policy(&vhost, &desired).await {
         return failed(e);
     }
@@ -35,14 +44,23 @@ pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
     )
 }
 
+/// What a look at the vhost found for a pattern.
+pub struct Matching {
+    pub seen: Vec<QueueSeen>,
+    /// How many of them another policy governs instead (one with a higher priority, such as a
+    /// QueuePolicy's own).
+    pub elsewhere: usize,
+    /// Where their depths and consumer counts came from.
+    pub source: StatsSource,
+}
+
 /// The queues the pattern matches, in a listing of the vhost read at most `fresh_within`
-/// before (shared with every policy and pattern of the vhost), and how many of them another
-/// policy governs instead (one with a higher priority, such as a QueuePolicy's own).
+/// before (shared with every policy and pattern of the vhost).
 pub async fn matching(
     plan: &PatternPlan,
     broker: &Broker,
     fresh_within: Duration,
-) -> Result<(Vec<QueueSeen>, usize), ManagementError> {
+) -> Result<Matching, ManagementError> {
     let re = Regex::new(&plan.pattern).expect("validated by plan()");
     let listing = broker.management.queues_in(broker.vhost(), fresh_within).await?;
     let mut matching: Vec<_> = listing.queues.values().filter(|q| re.is_match(&q.name)).collect();
@@ -56,7 +74,7 @@ pub async fn matching(
             consumers: q.consumers.unwrap_or_default(),
         })
         .collect();
-    Ok((seen, elsewhere))
+    Ok(Matching { seen, elsewhere, source: listing.source })
 }
 
 /// Removes the pattern's policy; the queues stay, without its expiry.

@@ -1,7 +1,10 @@
 //! The `QueuePattern` resource: a broker policy for queues the operator does not declare itself
 //! (RPC reply queues, per-instance queues), and a watch on the set of queues it matches.
 
-use crate::{crd::BrokerSpec, duration::DurationText};
+use crate::{
+    crd::{BrokerSpec, StatsSource},
+    duration::DurationText,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
@@ -114,6 +117,10 @@ pub struct QueuePatternStatus {
     /// The matching queues as last seen.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queues: Option<MatchingQueues>,
+    /// Where the matching queues' depths and consumer counts come from: Management (the
+    /// management API's statistics) or Prometheus (rabbitmq_prometheus's /metrics/detailed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats_source: Option<StatsSource>,
 }
 
 /// The set of queues the pattern matches.

@@ -6,22 +6,25 @@ use super::{
     crd::{PatternFinding, QueuePatternStatus},
 };
 use crate::{
+    crd::StatsSource,
     events::{EventReason, EventSpec, finding_transitions},
     status::{Check, ConditionType, Reason, Truth, condition_of, finding_condition},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Condition, jiff::Timestamp};
 
 /// The next status: Ready from the policy step, one condition per finding judged (kept from
-/// the previous status when the queues could not be looked at).
+/// the previous status when the queues could not be looked at), with where the look's counters
+/// came from.
 pub fn next_status(
     previous: Option<&QueuePatternStatus>,
     ready: &Check,
-    report: Option<&WatchReport>,
+    looked: Option<(&WatchReport, StatsSource)>,
     policy: Option<String>,
     generation: Option<i64>,
     now: Timestamp,
 ) -> QueuePatternStatus {
     let old = previous.cloned().unwrap_or_default();
+    let report = looked.map(|(r, _)| r);
     let mut conditions = vec![condition_of(
         &old.conditions,
         ConditionType::Ready.as_str(),
@@ -46,6 +49,7 @@ pub fn next_status(
         conditions,
         broker_policy: policy.or(old.broker_policy),
         queues: report.map(|r| r.queues.clone()).or(old.queues),
+        stats_source: looked.map(|(_, source)| source).or(old.stats_source),
     }
 }
 
@@ -85,22 +89,38 @@ mod tests {
             ],
         };
         let t = Timestamp::from_second(100).unwrap();
-        let first =
-            next_status(None, &ready, Some(&report(None)), Some("queueguard.pattern.shop.r".into()), Some(1), t);
+        let first = next_status(
+            None,
+            &ready,
+            Some((&report(None), StatsSource::Prometheus)),
+            Some("queueguard.pattern.shop.r".into()),
+            Some(1),
+            t,
+        );
         let events = transitions(&[], &first.conditions);
         assert_eq!(
             events.iter().map(|e| e.reason.as_str()).collect::<Vec<_>>(),
             ["PolicyApplied"],
             "NotSeen findings are no news"
         );
-        let leaking = next_status(Some(&first), &ready, Some(&report(Some("40 queues match"))), None, Some(1), t);
+        let leaking = next_status(
+            Some(&first),
+            &ready,
+            Some((&report(Some("40 queues match")), StatsSource::Prometheus)),
+            None,
+            Some(1),
+            t,
+        );
         let events = transitions(&first.conditions, &leaking.conditions);
         assert_eq!((events.len(), events[0].reason.as_str(), events[0].warning), (1, "QueueLeak", true));
         let unseen = next_status(Some(&leaking), &ready, None, None, Some(1), t);
         assert_eq!(unseen.conditions, leaking.conditions, "without a look the findings stay");
         assert_eq!(unseen.broker_policy.as_deref(), Some("queueguard.pattern.shop.r"));
-        let cleared = next_status(Some(&leaking), &ready, Some(&report(None)), None, Some(1), t);
+        assert_eq!(unseen.stats_source, Some(StatsSource::Prometheus), "the last look's source stays");
+        let cleared =
+            next_status(Some(&leaking), &ready, Some((&report(None), StatsSource::Management)), None, Some(1), t);
         let events = transitions(&leaking.conditions, &cleared.conditions);
         assert_eq!((events[0].reason.as_str(), events[0].warning), ("FindingCleared", false));
+        assert_eq!(cleared.stats_source, Some(StatsSource::Management), "the new look's source");
     }
 }

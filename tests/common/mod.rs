@@ -44,6 +44,12 @@ pub fn management_base() -> String {
     std::env::var("QUEUEGUARD_TEST_MANAGEMENT").unwrap_or_else(|_| "http://127.0.0.1:15672".into())
 }
 
+/// Where the test broker's rabbitmq_prometheus listens, when not beside its management API on
+/// port 15692 (QUEUEGUARD_TEST_PROMETHEUS: RabbitMQ 4.0 here, whose host's 15692 is 3.10's).
+pub fn prometheus_base() -> Option<String> {
+    std::env::var("QUEUEGUARD_TEST_PROMETHEUS").ok()
+}
+
 /// A name no other test (or earlier run) uses.
 pub fn unique(prefix: &str) -> String {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -74,7 +80,13 @@ pub fn plan_short(policy: &QueuePolicy) -> QueuePlan {
 }
 
 pub fn credentials() -> BrokerCredentials {
-    BrokerCredentials { uri: broker_uri(), management_uri: Some(management_base()), ca_cert: None, addresses: None }
+    BrokerCredentials {
+        uri: broker_uri(),
+        management_uri: Some(management_base()),
+        ca_cert: None,
+        addresses: None,
+        prometheus_uri: prometheus_base(),
+    }
 }
 
 pub fn broker(pool: &BrokerPool, plan: &QueuePlan) -> Arc<Broker> {
