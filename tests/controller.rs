@@ -1290,6 +1290,73 @@ async fn a_policy_on_a_rabbitmq_cluster_logs_in_as_its_default_user_and_is_decla
 }
 
 #[tokio::test]
+async fn a_tls_rabbitmq_cluster_is_reached_over_amqps_and_https_trusting_the_ca_of_its_tls_secret() {
+    // The Cluster Operator's TLS Service: AMQP on the Secret's port, management on 15671, both
+    // TLS with the certificate of spec.tls.secretName. Terminators with a new CA stand in front
+    // of the real broker's plain listeners.
+    let Some(_) = test_broker_address() else {
+        eprintln!("SKIPPED: the test broker's management API is not on port 15672 beside AMQP");
+        return;
+    };
+    let Ok(management_tls) = tokio::net::TcpListener::bind("127.0.0.1:15671").await else {
+        eprintln!("SKIPPED: port 15671 (a TLS cluster's management port) is taken on this machine");
+        return;
+    };
+    let (acceptor, ca) = tls::acceptor();
+    let amqp_tls = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let amqps_port = amqp_tls.local_addr().unwrap().port();
+    tls::forward(amqp_tls, acceptor.clone(), broker_addr());
+    let management = url::Url::parse(&management_base()).unwrap();
+    tls::forward(management_tls, acceptor, format!("{}:15672", management.host_str().unwrap()));
+
+    let (ctx, mut api) = harness();
+    let name = unique("on-tls-cluster");
+    let p = cluster_policy(&name, "rabbit", None);
+    let echo = serde_json::to_value(&p).unwrap();
+    let mut cluster = rabbitmq_cluster("test", json!({}), true);
+    cluster["spec"]["tls"] = json!({"secretName": "rabbit-tls"});
+    let schema = schema::crd_schema("tests/fixtures/rabbitmq/rabbitmqcluster-crd.yaml", "v1beta1");
+    assert_eq!(schema::violations(&cluster, &schema), Vec::<String>::new());
+    let user = default_user("test", "guest", "guest", "127.0.0.1", amqps_port);
+    let mut tls_secret = Secret::default();
+    tls_secret.metadata.name = Some("rabbit-tls".into());
+    tls_secret.metadata.namespace = Some("test".into());
+    tls_secret.data = Some(
+        [("tls.crt", "(the server's)"), ("tls.key", "(never read)"), ("ca.crt", ca.as_str())]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), ByteString(v.as_bytes().to_vec())))
+            .collect(),
+    );
+    let n = name.clone();
+    let server = tokio::spawn(async move {
+        api.expect("GET", &format!("{CLUSTERS}/test/rabbitmqclusters/rabbit")).await.respond(StatusCode::OK, &cluster);
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbit-default-user").await.respond(StatusCode::OK, &user);
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbit-tls")
+            .await
+            .respond(StatusCode::OK, &serde_json::to_value(&tls_secret).unwrap());
+        let (status, call) = api.expect_status_patch(&n).await;
+        call.respond(StatusCode::OK, &echo);
+        for _ in 0..3 {
+            let call = api.expect("POST", "/apis/events.k8s.io/v1/namespaces/test/events").await;
+            let body = call.body.clone();
+            call.respond(StatusCode::CREATED, &body);
+        }
+        status
+    });
+    assert_eq!(run(p.clone(), ctx.clone()).await.unwrap(), Action::requeue(controller::FINDINGS_EVERY));
+    let status = server.await.unwrap();
+    let [ready, settings] = ["Ready", "SettingsApplied"].map(|c| condition(&status, c));
+    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("True"), Some("Reconciled")), "{status}");
+    assert_eq!(settings["reason"].as_str(), Some("PolicyApplied"), "the broker policy went over https: {status}");
+    assert!(exists(&name).await, "declared over amqps");
+    assert!(
+        mgmt_get(&format!("policies/%2F/{}", enc(&plan_of(&p).policy_name))).await.is_some(),
+        "the broker policy is there"
+    );
+    remove_all(&plan_of(&p)).await;
+}
+
+#[tokio::test]
 async fn a_cluster_reference_waits_for_the_cluster_and_its_default_user_and_says_why() {
     let (ctx, mut api) = harness();
     let p = cluster_policy("waiting", "rabbit", None);

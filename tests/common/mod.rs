@@ -5,6 +5,7 @@
 pub mod api;
 pub mod gate;
 pub mod schema;
+pub mod tls;
 pub mod traffic;
 
 use lapin::{
