@@ -41,7 +41,7 @@ use queueguard::{
 };
 use serde_json::{Value, json};
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     io::{BufRead, Write},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -695,6 +695,14 @@ async fn main() {
     );
 
     // Steady state: nothing changes; reconciles keep coming every 20 s (the findings' looks).
+    let statuses = || -> HashMap<(String, String), Value> {
+        let stored = api.policies.lock().unwrap();
+        stored
+            .iter()
+            .map(|(k, text)| (k.clone(), serde_json::from_str::<Value>(text).unwrap()["status"].clone()))
+            .collect()
+    };
+    let statuses_before = statuses();
     let before = api.snapshot();
     let mgmt = || ctx.shared.brokers.management_requests() + ctx.trackers.management_requests();
     let mgmt_before = mgmt();
@@ -707,6 +715,19 @@ async fn main() {
         .map(|(_, v)| v)
         .sum();
     let mgmt_per_minute = (mgmt() - mgmt_before) as f64 * 60.0 / steady_secs as f64;
+    // Which parts of the statuses the steady state's patches changed, and in how many policies.
+    let mut changed: BTreeMap<String, usize> = BTreeMap::new();
+    for (key, after) in statuses() {
+        let was = statuses_before.get(&key).cloned().unwrap_or(Value::Null);
+        let fields: BTreeSet<&String> =
+            after.as_object().into_iter().chain(was.as_object()).flat_map(|o| o.keys()).collect();
+        for field in fields {
+            if after.get(field) != was.get(field) {
+                *changed.entry(field.clone()).or_default() += 1;
+            }
+        }
+    }
+    println!("  status fields the steady state changed (policies): {changed:?}");
     println!(
         "  steady state over {steady_secs}s: {per_minute:.0} Kubernetes requests/min ({}), of which the gate's (pods, budgets, Deployments): {gate_steady}; management API {mgmt_per_minute:.0} requests/min",
         describe(&steady)

@@ -143,9 +143,14 @@ async fn converge_once(
     if let Some(obs) = queue_observation.as_mut().filter(|o| o.messages_unacknowledged.is_none()) {
         // Unacknowledged counts only exist in the management API; absent for a brand-new queue.
         // From the vhost's shared listing: a renewal of a thousand policies costs no read each.
-        if let Ok(listing) = broker.management.queues_in(&vhost, LISTING_MAX_AGE).await
-            && let Some(info) = listing.queues.get(&plan.queue)
-        {
+        // One older than the queue (declared since, as at a cold start) is read again, as the
+        // findings' look would right after; else the count would wait for the next renewal and
+        // cost a status patch then.
+        let mut listing = broker.management.queues_in(&vhost, LISTING_MAX_AGE).await.ok();
+        if listing.as_ref().is_some_and(|l| !l.queues.contains_key(&plan.queue)) {
+            listing = broker.management.queues_in(&vhost, Duration::ZERO).await.ok();
+        }
+        if let Some(info) = listing.as_ref().and_then(|l| l.queues.get(&plan.queue)) {
             obs.messages_unacknowledged = info.messages_unacknowledged;
         }
     }

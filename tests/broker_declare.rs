@@ -261,6 +261,25 @@ async fn a_user_policy_that_shadows_the_operator_is_reported_and_left_alone() {
 }
 
 #[tokio::test]
+async fn a_queue_declared_after_the_shared_listing_still_gets_its_unacknowledged_count_on_its_first_pass() {
+    let (first, second) = (plan_of(&policy(&unique("listed"), "{}")), plan_of(&policy(&unique("later"), "{}")));
+    let pool = BrokerPool::new(unique("conn"));
+    let broker = broker(&pool, &first);
+    assert!(converge::converge(&first, &broker, &[], Mode::Declare).await.is_ready());
+    // The vhost's listing is now cached, read before the second queue existed.
+    let outcome = converge::converge(&second, &broker, &[], Mode::Declare).await;
+    assert!(outcome.is_ready(), "{outcome:#?}");
+    let observed = outcome.queue_observation.expect("observed");
+    assert_eq!(
+        observed.messages_unacknowledged,
+        Some(0),
+        "known at once, not at the next renewal (which would cost a status patch then)"
+    );
+    remove_all(&first).await;
+    remove_all(&second).await;
+}
+
+#[tokio::test]
 async fn passes_at_rest_share_one_read_of_the_vhosts_policies_and_a_lost_policy_is_put_back_within_its_age() {
     let plans: Vec<_> = (0..5).map(|_| plan_of(&policy(&unique("rest"), "{}"))).collect();
     let pool = BrokerPool::new(unique("conn"));
