@@ -14,7 +14,7 @@
 //! run on this machine. Ends with one `key=value` summary line.
 
 use queueguard::{
-    broker::{management::ManagementClient, uri::BrokerUri},
+    broker::{listing::Want, management::ManagementClient, uri::BrokerUri},
     crd::StatsSource,
 };
 use std::{
@@ -104,7 +104,8 @@ async fn round(path: Path, client: &ManagementClient, vhost: &str, queues: &[(St
             futures::future::join_all(looks).await;
         }
         Path::Listing | Path::Prometheus => {
-            let listing = client.queues_in(vhost, Duration::ZERO).await.unwrap();
+            let names: Vec<&str> = queues.iter().flat_map(|(q, dlq)| [q.as_str(), dlq.as_str()]).collect();
+            let listing = client.queues_in(vhost, Want::Queues(&names), Duration::ZERO).await.unwrap();
             let expected = if path == Path::Prometheus { StatsSource::Prometheus } else { StatsSource::Management };
             assert_eq!(listing.source, expected, "{path:?} reads what it says");
             assert!(queues.iter().all(|(q, _)| listing.queues.contains_key(q)));
@@ -157,7 +158,7 @@ async fn main() {
     println!("{policies} policies ({} queues) in vhost {vhost}; broker pid {pid}", policies * 2);
     // Statistics published for every queue, and the Prometheus endpoint found (or refused).
     tokio::time::sleep(Duration::from_secs(6)).await;
-    let listing = auto.queues_in(&vhost, Duration::ZERO).await.unwrap();
+    let listing = auto.queues_in(&vhost, Want::Pattern("."), Duration::ZERO).await.unwrap();
     let prometheus = listing.source == StatsSource::Prometheus;
     if !prometheus {
         println!(

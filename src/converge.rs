@@ -8,6 +8,7 @@ use crate::{
     broker::{
         Broker,
         amqp::AmqpError,
+        listing::Want,
         management::{LISTING_MAX_AGE, ManagementError, QueueInfo},
         refusal::{ACCESS_REFUSED, Inequivalence, NOT_FOUND, PRECONDITION_FAILED, Refusal},
     },
@@ -146,9 +147,10 @@ async fn converge_once(
         // One older than the queue (declared since, as at a cold start) is read again, as the
         // findings' look would right after; else the count would wait for the next renewal and
         // cost a status patch then.
-        let mut listing = broker.management.queues_in(&vhost, LISTING_MAX_AGE).await.ok();
+        let want = Want::Queues(&[plan.queue.as_str()]);
+        let mut listing = broker.management.queues_in(&vhost, want, LISTING_MAX_AGE).await.ok();
         if listing.as_ref().is_some_and(|l| !l.queues.contains_key(&plan.queue)) {
-            listing = broker.management.queues_in(&vhost, Duration::ZERO).await.ok();
+            listing = broker.management.queues_in(&vhost, want, Duration::ZERO).await.ok();
         }
         if let Some(info) = listing.as_ref().and_then(|l| l.queues.get(&plan.queue)) {
             obs.messages_unacknowledged = info.messages_unacknowledged;

@@ -8,16 +8,20 @@ use common::*;
 use futures::StreamExt;
 use lapin::{
     Channel,
-    options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions},
+    options::{
+        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+        QueueDeclareOptions,
+    },
     types::FieldTable,
 };
 use queueguard::{
-    broker::{Broker, BrokerPool, uri::BrokerUri},
+    broker::{Broker, BrokerPool, listing::Want, management::LISTING_MAX_AGE, uri::BrokerUri},
     converge::{self, Mode},
     crd::Finding,
     findings::{self, Memory, Report},
     plan::QueuePlan,
 };
+use serde_json::json;
 use std::{sync::Arc, time::Duration};
 
 /// The operator's look at one queue, remembered between looks as the controller does.
@@ -248,7 +252,8 @@ async fn the_looks_of_a_vhosts_policies_share_one_queue_listing_per_interval() {
         .unwrap();
     }
     let counted = eventually(Duration::from_secs(15), || async {
-        let listing = broker.management.queues_in("/", Duration::ZERO).await.unwrap();
+        let want = Want::Queues(&[plans[0].dead_letter_queue.as_str()]);
+        let listing = broker.management.queues_in("/", want, Duration::ZERO).await.unwrap();
         listing.queues.get(&plans[0].dead_letter_queue).and_then(|q| q.messages_ready) == Some(3)
     });
     assert!(counted.await, "the broker's statistics count the dead letters");
@@ -344,13 +349,13 @@ async fn counters_come_from_rabbitmq_prometheus_when_it_answers_for_this_broker_
     let settled = eventually(Duration::from_secs(20), || async { management().await == (Some(5), Some(2), Some(1)) });
     assert!(settled.await, "the management API counts 5 acks, 2 redeliveries, 1 consumer: {:?}", management().await);
     let agree = eventually(Duration::from_secs(20), || async {
-        let listing = broker.management.queues_in("/", Duration::ZERO).await.unwrap();
+        let listing = broker.management.queues_in("/", Want::Queues(&[name.as_str()]), Duration::ZERO).await.unwrap();
         let q = &listing.queues[&name];
         listing.source == expected && (q.message_stats.ack, q.message_stats.redeliver, q.consumers) == (5, 2, Some(1))
     });
     assert!(agree.await, "the shared listing ({expected:?}) counts the same");
     let (before, before_scrapes) = (broker.management.requests(), broker.management.prometheus_requests());
-    let listing = broker.management.queues_in("/", Duration::ZERO).await.unwrap();
+    let listing = broker.management.queues_in("/", Want::Queues(&[name.as_str()]), Duration::ZERO).await.unwrap();
     assert_eq!(listing.source, expected);
     assert_eq!(broker.management.requests() - before, 1, "one management request per listing, either way");
     let scrapes = broker.management.prometheus_requests() - before_scrapes;
@@ -371,4 +376,86 @@ async fn counters_come_from_rabbitmq_prometheus_when_it_answers_for_this_broker_
     }
     drop(deliveries);
     common::delete_queues(&[&name, &plan.dead_letter_queue]).await;
+}
+
+#[tokio::test]
+async fn a_vhost_holding_many_other_queues_is_listed_through_the_name_filter_one_page_of_what_is_wanted() {
+    use queueguard::broker::{listing, management::ManagementClient};
+    // A vhost of its own with 1,100 queues nobody governs, beside two a policy names and three
+    // reply queues a pattern matches.
+    let vhost = unique("many");
+    mgmt_put(&format!("vhosts/{}", enc(&vhost)), json!({})).await;
+    mgmt_put(&format!("permissions/{}/guest", enc(&vhost)), json!({"configure": ".*", "write": ".*", "read": ".*"}))
+        .await;
+    let mut amqp = url::Url::parse(&broker_uri()).unwrap();
+    amqp.set_path(&format!("/{}", enc(&vhost)));
+    let conn = lapin::Connection::connect(amqp.as_str(), lapin::ConnectionProperties::default()).await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let declare = |name: String| {
+        let ch = ch.clone();
+        async move {
+            let options = QueueDeclareOptions { durable: true, ..Default::default() };
+            ch.queue_declare(name.as_str().into(), options, FieldTable::default()).await.unwrap();
+        }
+    };
+    for i in 0..1100 {
+        declare(format!("other.{i}")).await;
+    }
+    for name in ["wanted.a", "wanted.b", "wanted.c", "rpc.1", "rpc.2", "rpc.3"] {
+        declare(name.to_owned()).await;
+    }
+    for _ in 0..2 {
+        let props = lapin::BasicProperties::default();
+        ch.basic_publish("".into(), "wanted.a".into(), Default::default(), b"m", props).await.unwrap().await.unwrap();
+    }
+    let endpoint = BrokerUri::from_credentials(&common::credentials()).unwrap().management().clone();
+    let client = ManagementClient::new(endpoint, None).unwrap();
+    const POLICY: &[&str] = &["wanted.a", "wanted.b"];
+    let read = |want: listing::Want<'static>, fresh_within: Duration| {
+        let (client, vhost) = (client.clone(), vhost.clone());
+        async move {
+            let before = client.requests();
+            let listing = client.queues_in(&vhost, want, fresh_within).await.unwrap();
+            let mut names: Vec<String> = listing.queues.keys().cloned().collect();
+            names.sort();
+            (listing, names, client.requests() - before)
+        }
+    };
+
+    // The first listing is whole: it shows how many queues the vhost holds.
+    let (whole, names, requests) = read(listing::Want::Queues(POLICY), Duration::ZERO).await;
+    assert_eq!((whole.filter.is_none(), names.len()), (true, 1106));
+    assert!(
+        (1..=2).contains(&requests),
+        "one listing, first asking the cluster's name for rabbitmq_prometheus: {requests}"
+    );
+    assert_eq!(whole.seen, listing::Seen { total: 1106, wanted: 2 });
+    // Then one page holding only what is wanted, with the same counts.
+    let counted = eventually(Duration::from_secs(20), || async {
+        let (filtered, names, requests) = read(listing::Want::Queues(POLICY), Duration::ZERO).await;
+        filtered.filter.is_some()
+            && names == ["wanted.a", "wanted.b"]
+            && requests == 1
+            && filtered.queues["wanted.a"].messages_ready == Some(2)
+    });
+    assert!(counted.await, "a filtered page of the two, counting wanted.a's 2 messages");
+    // What it already holds is served from it; a queue or pattern it does not hold is read for.
+    let (_, _, requests) = read(listing::Want::Queues(&["wanted.b"]), LISTING_MAX_AGE).await;
+    assert_eq!(requests, 0, "covered");
+    let (_, names, requests) = read(listing::Want::Pattern(r"^rpc\."), LISTING_MAX_AGE).await;
+    assert_eq!((names, requests), (["rpc.1", "rpc.2", "rpc.3", "wanted.a", "wanted.b"].map(String::from).to_vec(), 1));
+    let (_, names, requests) = read(listing::Want::Queues(&["wanted.c"]), LISTING_MAX_AGE).await;
+    assert_eq!((names.len(), names.contains(&"wanted.c".to_owned()), requests), (6, true, 1));
+    // A pattern matching more than a page: that listing falls back to the whole vhost, and so
+    // does the next (by what it showed).
+    let (grown, names, requests) = read(listing::Want::Pattern(r"^other\."), Duration::ZERO).await;
+    assert_eq!(
+        (grown.filter.is_none(), names.len(), requests),
+        (true, 1106, 2),
+        "a page that did not hold it, then all"
+    );
+    let (again, _, requests) = read(listing::Want::Queues(POLICY), Duration::ZERO).await;
+    assert_eq!((again.filter.is_none(), requests), (true, 1));
+    drop(conn);
+    mgmt_delete(&format!("vhosts/{}", enc(&vhost))).await;
 }

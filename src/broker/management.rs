@@ -3,7 +3,11 @@
 //! URLs never carry credentials (they go in the Authorization header), so an HTTP error that
 //! quotes its URL cannot leak them.
 
-use super::{prometheus, uri::ManagementEndpoint};
+use super::{
+    listing::{self, Seen, Want, Wanted},
+    prometheus,
+    uri::ManagementEndpoint,
+};
 use crate::sync::lock;
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use reqwest::{Method, StatusCode};
@@ -216,7 +220,8 @@ const LISTING_COLUMNS: &str = "name,vhost,type,durable,auto_delete,exclusive,arg
 /// counters (see there why not `enable_queue_totals`).
 const BARE_COLUMNS: &str = "name,vhost,type,durable,auto_delete,exclusive,arguments,policy";
 
-/// Every queue of a vhost, as one listing read at `read_at`.
+/// The queues of a vhost, as one listing read at `read_at`: every queue, or those its readers
+/// want ([`listing`]).
 #[derive(Debug)]
 pub struct QueueListing {
     pub read_at: std::time::Instant,
@@ -226,6 +231,30 @@ pub struct QueueListing {
     /// Where its consumer counts, acks and redeliveries come from. Under Prometheus there is no
     /// `idle_since` (it is a management statistic).
     pub source: prometheus::StatsSource,
+    /// What the API was asked for, when not every queue.
+    pub filter: Option<Wanted>,
+    /// Queues in the vhost, and of them wanted ones, when it was read.
+    pub seen: Seen,
+}
+
+impl QueueListing {
+    /// Whether it holds what `want` needs (a queue missing from it is not in the vhost).
+    pub fn covers(&self, want: Want) -> bool {
+        self.filter.as_ref().is_none_or(|f| f.covers(want))
+    }
+}
+
+/// A page of a filtered listing of queues.
+#[derive(Deserialize, Default)]
+struct QueuePage {
+    #[serde(default)]
+    items: Vec<QueueInfo>,
+    #[serde(default)]
+    total_count: usize,
+    #[serde(default)]
+    filtered_count: usize,
+    #[serde(default)]
+    page_count: usize,
 }
 
 #[derive(Clone)]
@@ -238,6 +267,8 @@ pub struct ManagementClient {
     writes: Arc<tokio::sync::Semaphore>,
     policies: Arc<tokio::sync::Mutex<PolicyCache>>,
     listings: Arc<tokio::sync::Mutex<ListingCache>>,
+    /// Per vhost, every queue its listing's readers asked for.
+    wanted: Arc<std::sync::Mutex<HashMap<String, Wanted>>>,
     /// Whether rabbitmq_prometheus answers beside each node's management API.
     prometheus: Arc<std::sync::Mutex<prometheus::Detection>>,
     /// Requests sent to rabbitmq_prometheus, for the benchmarks.
@@ -267,6 +298,7 @@ impl ManagementClient {
             writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
             policies: Default::default(),
             listings: Default::default(),
+            wanted: Default::default(),
             prometheus: Arc::new(std::sync::Mutex::new(prometheus::Detection::Unknown)),
             prometheus_requests: Default::default(),
             current: Default::default(),
@@ -318,22 +350,39 @@ impl ManagementClient {
     /// is served again (with `Duration::ZERO`, only one that went out after the call, which
     /// concurrent callers share). What each policy's look would otherwise cost per queue is one
     /// request per vhost per interval, and the broker gathers each queue's statistics once.
-    pub async fn queues_in(&self, vhost: &str, fresh_within: Duration) -> Result<Arc<QueueListing>, ManagementError> {
+    pub async fn queues_in(
+        &self,
+        vhost: &str,
+        want: Want<'_>,
+        fresh_within: Duration,
+    ) -> Result<Arc<QueueListing>, ManagementError> {
         let asked = std::time::Instant::now();
         let oldest = asked.checked_sub(fresh_within).unwrap_or(asked);
+        let wanted = {
+            let mut all = lock(&self.wanted);
+            let wanted = all.entry(vhost.to_owned()).or_default();
+            wanted.add(want);
+            wanted.clone()
+        };
         let mut cache = self.listings.lock().await;
         if let Some(listing) = cache.get(vhost)
             && listing.read_at >= oldest
+            && listing.covers(want)
         {
             return Ok(Arc::clone(listing));
         }
         let read_at = std::time::Instant::now();
         let read_at_ms = crate::consumers::tracker::now_ms();
-        let listing = match self.prometheus_counters(vhost).await {
+        let filter = listing::filter(&wanted, cache.get(vhost).map(|l| l.seen));
+        let counters = self.prometheus_counters(vhost).await;
+        let columns = match counters {
+            Some(_) => format!("disable_stats=true&columns={BARE_COLUMNS}"),
+            None => format!("columns={LISTING_COLUMNS}"),
+        };
+        let (rows, seen, filter) = self.queue_rows(vhost, &columns, filter.as_deref(), &wanted).await?;
+        let (rows, source) = match counters {
             Some(counters) => {
-                let query = format!("disable_stats=true&columns={BARE_COLUMNS}");
-                let rows: Vec<QueueInfo> = self.get_query(&["queues", vhost], &query).await?.unwrap_or_default();
-                let queues = rows
+                let with_counters = rows
                     .into_iter()
                     .map(|mut q| {
                         let c = counters.get(&q.name).cloned().unwrap_or_default();
@@ -341,23 +390,42 @@ impl ManagementClient {
                         q.messages_unacknowledged = Some(c.unacked);
                         q.consumers = Some(c.consumers);
                         q.message_stats = MessageStats { ack: c.acks, redeliver: c.redeliveries };
-                        (q.name.clone(), q)
+                        q
                     })
                     .collect();
-                QueueListing { read_at, read_at_ms, queues, source: prometheus::StatsSource::Prometheus }
+                (with_counters, prometheus::StatsSource::Prometheus)
             }
-            None => {
-                let rows: Vec<QueueInfo> = self
-                    .get_query(&["queues", vhost], &format!("columns={LISTING_COLUMNS}"))
-                    .await?
-                    .unwrap_or_default();
-                let queues = rows.into_iter().map(|q| (q.name.clone(), q)).collect();
-                QueueListing { read_at, read_at_ms, queues, source: prometheus::StatsSource::Management }
-            }
+            None => (rows, prometheus::StatsSource::Management),
         };
-        let listing = Arc::new(listing);
+        let queues = rows.into_iter().map(|q| (q.name.clone(), q)).collect();
+        let filter = filter.then_some(wanted);
+        let listing = Arc::new(QueueListing { read_at, read_at_ms, queues, source, filter, seen });
         cache.insert(vhost.to_owned(), Arc::clone(&listing));
         Ok(listing)
+    }
+
+    /// The vhost's queues with `columns`: one page through the name `filter` when given and
+    /// the wanted queues fit it, else every queue. Says whether the filter was used.
+    async fn queue_rows(
+        &self,
+        vhost: &str,
+        columns: &str,
+        filter: Option<&str>,
+        wanted: &Wanted,
+    ) -> Result<(Vec<QueueInfo>, Seen, bool), ManagementError> {
+        if let Some(re) = filter {
+            let re: String = url::form_urlencoded::byte_serialize(re.as_bytes()).collect();
+            let query = format!("page=1&page_size={}&use_regex=true&name={re}&{columns}", listing::PAGE_SIZE);
+            let page: QueuePage = self.get_query(&["queues", vhost], &query).await?.unwrap_or_default();
+            if page.page_count <= 1 {
+                let seen = Seen { total: page.total_count, wanted: page.filtered_count };
+                return Ok((page.items, seen, true));
+            }
+            // Grown past a page: the whole vhost, this time and (by what it shows) next.
+        }
+        let rows: Vec<QueueInfo> = self.get_query(&["queues", vhost], columns).await?.unwrap_or_default();
+        let seen = Seen { total: rows.len(), wanted: wanted.count_in(rows.iter().map(|q| q.name.as_str())) };
+        Ok((rows, seen, false))
     }
 
     /// When queue `name` last had activity, if it is idle: from the statistics of a one-queue page
@@ -376,7 +444,7 @@ impl ManagementClient {
             idle_since: Option<String>,
         }
         let exact: String =
-            url::form_urlencoded::byte_serialize(format!("^{}$", regex_escape(name)).as_bytes()).collect();
+            url::form_urlencoded::byte_serialize(format!("^{}$", listing::regex_escape(name)).as_bytes()).collect();
         let query = format!("page=1&page_size=1&use_regex=true&name={exact}&columns=name,idle_since");
         let page: Option<Page> = self.get_query(&["queues", vhost], &query).await?;
         Ok(page.into_iter().flat_map(|p| p.items).find(|q| q.name == name).and_then(|q| q.idle_since))
@@ -604,18 +672,6 @@ impl ManagementClient {
     }
 }
 
-/// `text` matched literally by the management API's (Erlang `re`) name filter.
-fn regex_escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if "\\.^$|?*+()[]{}".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// A GET answered 200 with a body that is not what the API documents.
 fn unexpected_answer(path: &[&str], e: &serde_json::Error) -> ManagementError {
     ManagementError::UnexpectedBody { what: format!("GET {}", describe(path)), detail: e.to_string() }
@@ -671,12 +727,6 @@ mod tests {
         let mut broken = consumer("b", serde_json::json!({"name": "x"}));
         broken["queue"] = Value::Null;
         assert!(live_consumers(vec![broken]).is_err());
-    }
-
-    #[test]
-    fn queue_names_are_matched_literally() {
-        assert_eq!(super::regex_escape("rpc.reply(1)*"), r"rpc\.reply\(1\)\*");
-        assert_eq!(super::regex_escape("a\\b"), r"a\\b");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use super::{ConsumerView, Sample};
 use crate::{
     broker::{
         Broker,
+        listing::Want,
         management::{ManagementError, QueueInfo},
     },
     consumers::{ConsumerTracker, QueueKey},
@@ -40,10 +41,11 @@ pub async fn sample(
     fresh_within: Duration,
 ) -> Result<Sample, LookError> {
     let vhost = broker.vhost().to_owned();
-    let mut listing = broker.management.queues_in(&vhost, fresh_within).await?;
+    let want = Want::Queues(&[queues.queue, queues.dead_letter_queue]);
+    let mut listing = broker.management.queues_in(&vhost, want, fresh_within).await?;
     if !listing.queues.contains_key(queues.queue) && !fresh_within.is_zero() {
         // A shared listing older than the queue (declared since): one read that is not.
-        listing = broker.management.queues_in(&vhost, Duration::ZERO).await?;
+        listing = broker.management.queues_in(&vhost, want, Duration::ZERO).await?;
     }
     let queue: &QueueInfo =
         listing.queues.get(queues.queue).ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;

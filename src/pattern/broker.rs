@@ -4,6 +4,7 @@ use super::{PatternPlan, QueueSeen};
 use crate::{
     broker::{
         Broker,
+        listing::Want,
         management::{LISTING_MAX_AGE, ManagementError, PolicyInfo},
     },
     crd::StatsSource,
@@ -62,7 +63,7 @@ pub async fn matching(
     fresh_within: Duration,
 ) -> Result<Matching, ManagementError> {
     let re = Regex::new(&plan.pattern).expect("validated by plan()");
-    let listing = broker.management.queues_in(broker.vhost(), fresh_within).await?;
+    let listing = broker.management.queues_in(broker.vhost(), Want::Pattern(&plan.pattern), fresh_within).await?;
     let mut matching: Vec<_> = listing.queues.values().filter(|q| re.is_match(&q.name)).collect();
     matching.sort_by(|a, b| a.name.cmp(&b.name));
     let elsewhere = matching.iter().filter(|q| q.policy.as_deref().is_some_and(|p| p != plan.policy_name)).count();
