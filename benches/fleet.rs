@@ -717,6 +717,7 @@ async fn main() {
     let mgmt_per_minute = (mgmt() - mgmt_before) as f64 * 60.0 / steady_secs as f64;
     // Which parts of the statuses the steady state's patches changed, and in how many policies.
     let mut changed: BTreeMap<String, usize> = BTreeMap::new();
+    let mut example: BTreeMap<String, String> = BTreeMap::new();
     for (key, after) in statuses() {
         let was = statuses_before.get(&key).cloned().unwrap_or(Value::Null);
         let fields: BTreeSet<&String> =
@@ -724,10 +725,11 @@ async fn main() {
         for field in fields {
             if after.get(field) != was.get(field) {
                 *changed.entry(field.clone()).or_default() += 1;
+                example.entry(field.clone()).or_insert_with(|| format!("{} -> {}", was[field], after[field]));
             }
         }
     }
-    println!("  status fields the steady state changed (policies): {changed:?}");
+    println!("  status fields the steady state changed (policies): {changed:?}, for example {example:?}");
     println!(
         "  steady state over {steady_secs}s: {per_minute:.0} Kubernetes requests/min ({}), of which the gate's (pods, budgets, Deployments): {gate_steady}; management API {mgmt_per_minute:.0} requests/min",
         describe(&steady)
