@@ -32,12 +32,20 @@ pub struct Wanted {
 }
 
 impl Wanted {
+    /// Adds what `want` needs; allocates only for what is new (it runs on every look).
     pub fn add(&mut self, want: Want) {
         match want {
-            Want::Queues(names) => self.names.extend(names.iter().map(|n| (*n).to_owned())),
-            Want::Pattern(p) => {
+            Want::Queues(names) => {
+                for name in names {
+                    if !self.names.contains(*name) {
+                        self.names.insert((*name).to_owned());
+                    }
+                }
+            }
+            Want::Pattern(p) if !self.patterns.contains(p) => {
                 self.patterns.insert(p.to_owned());
             }
+            Want::Pattern(_) => {}
         }
     }
 

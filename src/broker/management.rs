@@ -358,12 +358,17 @@ impl ManagementClient {
     ) -> Result<Arc<QueueListing>, ManagementError> {
         let asked = std::time::Instant::now();
         let oldest = asked.checked_sub(fresh_within).unwrap_or(asked);
-        let wanted = {
+        {
             let mut all = lock(&self.wanted);
-            let wanted = all.entry(vhost.to_owned()).or_default();
-            wanted.add(want);
-            wanted.clone()
-        };
+            match all.get_mut(vhost) {
+                Some(wanted) => wanted.add(want),
+                None => {
+                    let mut wanted = Wanted::default();
+                    wanted.add(want);
+                    all.insert(vhost.to_owned(), wanted);
+                }
+            }
+        }
         let mut cache = self.listings.lock().await;
         if let Some(listing) = cache.get(vhost)
             && listing.read_at >= oldest
@@ -371,6 +376,8 @@ impl ManagementClient {
         {
             return Ok(Arc::clone(listing));
         }
+        // Copied only for a read (a vhost's set can hold thousands of names).
+        let wanted = lock(&self.wanted).get(vhost).cloned().unwrap_or_default();
         let read_at = std::time::Instant::now();
         let read_at_ms = crate::consumers::tracker::now_ms();
         let filter = listing::filter(&wanted, cache.get(vhost).map(|l| l.seen));
