@@ -16,7 +16,7 @@ use crate::{
     crd::{Binding, DeadLetterObservation, QueueObservation, QueueType, SettingsMode},
     duration::Human,
     plan::QueuePlan,
-    settings::{self, ArgValue},
+    settings::{self, ArgValue, PolicyDecision},
     status::{Check, Outcome, Reason},
 };
 use lapin::{
@@ -26,10 +26,7 @@ use lapin::{
     },
     types::{AMQPValue, FieldTable},
 };
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    time::Duration,
-};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// How the queue itself is checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,14 +141,10 @@ async fn converge_once(
     if let Some(obs) = queue_observation.as_mut().filter(|o| o.messages_unacknowledged.is_none()) {
         // Unacknowledged counts only exist in the management API; absent for a brand-new queue.
         // From the vhost's shared listing: a renewal of a thousand policies costs no read each.
-        // One older than the queue (declared since, as at a cold start) is read again, as the
-        // findings' look would right after; else the count would wait for the next renewal and
-        // cost a status patch then.
+        // One older than the queue is read again, else the count would wait for the next renewal
+        // and cost a status patch then.
         let want = Want::Queues(&[plan.queue.as_str()]);
-        let mut listing = broker.management.queues_in(&vhost, want, LISTING_MAX_AGE).await.ok();
-        if listing.as_ref().is_some_and(|l| !l.queues.contains_key(&plan.queue)) {
-            listing = broker.management.queues_in(&vhost, want, Duration::ZERO).await.ok();
-        }
+        let listing = broker.management.queues_holding(&vhost, &plan.queue, want, LISTING_MAX_AGE).await.ok();
         if let Some(info) = listing.as_ref().and_then(|l| l.queues.get(&plan.queue)) {
             obs.messages_unacknowledged = info.messages_unacknowledged;
         }
@@ -314,18 +307,12 @@ pub fn policy_failure(e: ManagementError) -> Check {
 
 async fn apply_policy(plan: &QueuePlan, broker: &Broker, vhost: &str) -> (Check, Option<String>) {
     let failed = policy_failure;
-    // The list is let go before the write, so recording our write need not copy it.
-    let decide = |fresh_within| async move {
-        broker.management.policies(vhost, fresh_within).await.map(|existing| settings::policy_decision(plan, &existing))
-    };
-    // A list up to LISTING_MAX_AGE old serves the passes at rest, one read per vhost for all its
-    // policies; anything it says needs doing or reporting is read again before it is acted on.
-    let decision = match decide(LISTING_MAX_AGE).await {
-        Ok(d) if d.settled() => d,
-        Ok(_) => match decide(Duration::ZERO).await {
-            Ok(d) => d,
-            Err(e) => return (failed(e), None),
-        },
+    let decision = match broker
+        .management
+        .decide_on_policies(vhost, |existing| settings::policy_decision(plan, existing), PolicyDecision::settled)
+        .await
+    {
+        Ok(d) => d,
         Err(e) => return (failed(e), None),
     };
     if !decision.up_to_date

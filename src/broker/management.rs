@@ -345,6 +345,39 @@ impl ManagementClient {
         Ok(list)
     }
 
+    /// A decision on the vhost's policies: taken on a list up to [`LISTING_MAX_AGE`] old while it
+    /// finds nothing to do (`settled`), so the passes at rest share one read per vhost; else
+    /// taken again on a fresh read, so what is acted on or reported is the broker's current list.
+    /// The list is let go before the caller writes, so recording that write need not copy it.
+    pub async fn decide_on_policies<T>(
+        &self,
+        vhost: &str,
+        decide: impl Fn(&[PolicyInfo]) -> T,
+        settled: impl Fn(&T) -> bool,
+    ) -> Result<T, ManagementError> {
+        let at_rest = decide(&self.policies(vhost, LISTING_MAX_AGE).await?);
+        if settled(&at_rest) {
+            return Ok(at_rest);
+        }
+        Ok(decide(&self.policies(vhost, Duration::ZERO).await?))
+    }
+
+    /// As [`Self::queues_in`], for a look at `queue`: a shared listing that lacks it, and may be
+    /// older than it (declared since, as at a cold start), is read again once.
+    pub async fn queues_holding(
+        &self,
+        vhost: &str,
+        queue: &str,
+        want: Want<'_>,
+        fresh_within: Duration,
+    ) -> Result<Arc<QueueListing>, ManagementError> {
+        let listing = self.queues_in(vhost, want, fresh_within).await?;
+        if listing.queues.contains_key(queue) || fresh_within.is_zero() {
+            return Ok(listing);
+        }
+        self.queues_in(vhost, want, Duration::ZERO).await
+    }
+
     /// Every queue of a vhost with the columns the findings, status and QueuePatterns read, one
     /// listing shared by every caller: one read no earlier than `fresh_within` before the call
     /// is served again (with `Duration::ZERO`, only one that went out after the call, which

@@ -42,11 +42,7 @@ pub async fn sample(
 ) -> Result<Sample, LookError> {
     let vhost = broker.vhost().to_owned();
     let want = Want::Queues(&[queues.queue, queues.dead_letter_queue]);
-    let mut listing = broker.management.queues_in(&vhost, want, fresh_within).await?;
-    if !listing.queues.contains_key(queues.queue) && !fresh_within.is_zero() {
-        // A shared listing older than the queue (declared since): one read that is not.
-        listing = broker.management.queues_in(&vhost, want, Duration::ZERO).await?;
-    }
+    let listing = broker.management.queues_holding(&vhost, queues.queue, want, fresh_within).await?;
     let queue: &QueueInfo =
         listing.queues.get(queues.queue).ok_or_else(|| LookError::QueueMissing(queues.queue.to_owned()))?;
     let dead_letter = listing.queues.get(queues.dead_letter_queue);

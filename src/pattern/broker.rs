@@ -5,7 +5,7 @@ use crate::{
     broker::{
         Broker,
         listing::Want,
-        management::{LISTING_MAX_AGE, ManagementError, PolicyInfo},
+        management::{ManagementError, PolicyInfo},
     },
     crd::StatsSource,
     status::{Check, Reason},
@@ -23,18 +23,11 @@ pub async fn apply_policy(plan: &PatternPlan, broker: &Broker) -> Check {
         priority: plan.priority,
         definition: plan.definition.clone(),
     };
-    // A list up to LISTING_MAX_AGE old serves the looks at rest; one without the policy is read
-    // again before writing.
-    let mut up_to_date = false;
-    for fresh_within in [LISTING_MAX_AGE, Duration::ZERO] {
-        up_to_date = match broker.management.policies(&vhost, fresh_within).await {
-            Ok(existing) => existing.contains(&desired),
+    let up_to_date =
+        match broker.management.decide_on_policies(&vhost, |existing| existing.contains(&desired), |up| *up).await {
+            Ok(up) => up,
             Err(e) => return failed(e),
         };
-        if up_to_date {
-            break;
-        }
-    }
     if !up_to_date && let Err(e) = broker.management.put_policy(&vhost, &desired).await {
         return failed(e);
     }
