@@ -21,7 +21,8 @@ use queueguard::{
     broker::{Broker, BrokerPool, uri::BrokerUri},
     crd::{MigrationStatus, QueueType},
     migrate::{
-        Target, mover,
+        Bounds, Target,
+        mover::{self, Moving},
         run::{Ended, Journal, migrate},
     },
 };
@@ -132,7 +133,7 @@ impl Journal for Unrecorded {
 /// Migrates `queue` to `to` and returns (swap window, fence) in ms.
 async fn swap(broker: &Broker, queue: &str, to: QueueType) -> (i64, i64) {
     let target = Target { queue: queue.into(), queue_type: to, arguments: Default::default() };
-    match migrate(broker, &target, None, &mut Unrecorded).await.expect("the migration runs") {
+    match migrate(broker, &target, None, &mut Unrecorded, &Bounds::default()).await.expect("the migration runs") {
         Ended::Moved(state) => {
             (state.swap_window_millis.expect("a swap window"), state.fenced_millis.expect("a fence"))
         }
@@ -172,7 +173,9 @@ async fn main() {
         let started = Instant::now();
         let moved = if is_mover {
             let counted = AtomicU64::new(0);
-            mover::drain(&broker, &from, &to, &counted).await.expect("the mover moves") as usize
+            mover::drain(&broker, &from, &to, Moving { first: false, stall: Bounds::default().stall }, &counted)
+                .await
+                .expect("the mover moves") as usize
         } else {
             raw_move(&conn, &from, &to, n).await
         };

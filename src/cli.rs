@@ -277,6 +277,10 @@ pub struct MigrateArgs {
     /// Print the plan and change nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// How long the swap waits for the queue's consumers to acknowledge what they hold (they
+    /// receive nothing new meanwhile) before it moves everything back and stops.
+    #[arg(long, default_value = "60s", value_name = "DURATION", value_parser = crate::duration::parse)]
+    pub wait_unacknowledged: std::time::Duration,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -569,8 +573,8 @@ async fn apply(args: ApplyArgs) -> ExitCode {
 
 async fn migrate_queue(args: MigrateArgs) -> ExitCode {
     use crate::migrate::{
-        Shape, Target, plan_text, refusal,
-        run::{Ended, migrate},
+        Bounds, Shape, Target, holding_name, plan_text,
+        run::{Ended, migrate, recorded_target, refusal_on},
     };
     let uri = match args.broker.uri() {
         Ok(uri) => uri,
@@ -591,52 +595,84 @@ async fn migrate_queue(args: MigrateArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let bounds = Bounds { unacknowledged: args.wait_unacknowledged, ..Bounds::default() };
     let vhost = broker.vhost().to_owned();
-    let current = match broker.management.queue(&vhost, &args.queue).await {
-        Ok(Some(q)) => Shape::of(&q),
-        Ok(None) => {
-            eprintln!("error: queue '{}' not found in vhost '{vhost}'", args.queue);
-            return ExitCode::from(2);
+    let target = match broker.management.queue(&vhost, &args.queue).await {
+        Ok(Some(info)) => {
+            let current = Shape::of(&info);
+            let (target, dropped) = Target::converted(&args.queue, &current, args.to.into());
+            let refused = match refusal_on(&broker, &info, &target).await {
+                Ok(refused) => refused,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            print!("{}", plan_text(&vhost, &current, &target, &dropped, refused.as_deref(), &bounds));
+            if refused.is_some() {
+                return ExitCode::from(1);
+            }
+            target
         }
+        // A swap cut off after the deletion: the holding queue has the messages and the target.
+        Ok(None) => match recorded_target(&broker, &args.queue).await {
+            Ok(Some(target)) => {
+                println!(
+                    "queue '{}' in vhost '{vhost}' is missing and '{}' holds its messages: resuming the migration to {} that was cut off",
+                    args.queue,
+                    holding_name(&args.queue),
+                    target.shape().describe()
+                );
+                target
+            }
+            Ok(None) => {
+                eprintln!("error: queue '{}' not found in vhost '{vhost}'", args.queue);
+                return ExitCode::from(2);
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        },
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(1);
         }
     };
-    let (target, dropped) = Target::converted(&args.queue, &current, args.to.into());
-    let flags = match broker.management.feature_flags().await {
-        Ok(flags) => flags,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let refused = refusal(&current, &target, flags.as_deref());
-    print!("{}", plan_text(&vhost, &current, &target, &dropped, refused.as_deref()));
-    if refused.is_some() {
-        return ExitCode::from(1);
-    }
     if args.dry_run {
         return ExitCode::SUCCESS;
     }
-    match migrate(&broker, &target, None, &mut local::Told).await {
-        Ok(Ended::NotNeeded) => ExitCode::SUCCESS,
+    match migrate(&broker, &target, None, &mut local::Told, &bounds).await {
+        Ok(Ended::NotNeeded) => {
+            println!("summary migrated=0 moved_out=0 moved_back=0 dropped=0");
+            ExitCode::SUCCESS
+        }
         Ok(Ended::Moved(state)) => {
             let ms = |v: Option<i64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v} ms"));
+            let dropped = state.dropped_at_swap.unwrap_or_default();
             println!(
-                "migrated: moved out {}, moved back {}, swap window {}, publishes refused for {}, dropped at the swap {}",
+                "migrated: moved out {}, moved back {}, swap window {}, publishes refused for {}, dropped at the swap {dropped}",
                 state.moved_out,
                 state.moved_back,
                 ms(state.swap_window_millis),
                 ms(state.fenced_millis),
-                state.dropped_at_swap.unwrap_or_default()
             );
             println!("restart the queue's consumers: the swap cancelled them");
+            println!(
+                "summary migrated=1 moved_out={} moved_back={} dropped={dropped}",
+                state.moved_out, state.moved_back
+            );
+            if dropped > 0 {
+                eprintln!(
+                    "error: the broker deleted {dropped} messages with the old queue (published to it through the default exchange between the last look and its deletion): they are lost"
+                );
+                return ExitCode::from(1);
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("error: {e}");
-            eprintln!("run the same command again to resume where it stopped");
+            eprintln!("nothing was lost: run the same command again to resume (or start again) where it stopped");
             ExitCode::from(1)
         }
     }

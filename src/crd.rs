@@ -565,7 +565,8 @@ pub enum StatsSource {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MigrationStatus {
-    /// The step under way (recorded before it is taken), or Completed or Refused.
+    /// The step under way (recorded before it is taken), or how it ended: Completed, Refused or
+    /// RolledBack.
     pub phase: MigrationPhase,
     /// The queue being migrated (the queue, or its dead-letter queue).
     pub queue: String,
@@ -641,6 +642,10 @@ pub enum MigrationPhase {
     Completed,
     /// It cannot proceed; nothing was touched.
     Refused,
+    /// Others kept it from finishing before the swap (consumers holding deliveries, a queue
+    /// that delivered nothing to the mover): routes and messages went back to the queue, which
+    /// keeps its shape; the message says why. The next pass starts again.
+    RolledBack,
 }
 
 impl MigrationPhase {

@@ -6,7 +6,10 @@ use crate::{
     broker_source::BrokerSource,
     converge::{self, Mode},
     crd::{MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
-    migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
+    migrate::{
+        Bounds,
+        run::{Journal, PolicyMigration, completed, migrate_policy},
+    },
     pass,
     plan::{self, Limits, QueuePlan},
     secret,
@@ -165,7 +168,7 @@ async fn migrated(
     status: Option<&QueuePolicyStatus>,
 ) -> Result<Option<MigrationStatus>, (Check, MigrationStatus)> {
     let previous = status.and_then(|s| s.migration.as_ref());
-    match migrate_policy(broker, plan, previous, &mut Told).await {
+    match migrate_policy(broker, plan, previous, &mut Told, &Bounds::default()).await {
         Ok(PolicyMigration::NotNeeded) => Ok(None),
         Ok(PolicyMigration::Moved(state)) => Ok(Some(completed(state, None))),
         Ok(PolicyMigration::Stopped(check, state)) => Err((check, state)),

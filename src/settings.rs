@@ -105,21 +105,27 @@ impl PolicyDecision {
     }
 }
 
-/// Decides the operator policy for `plan` among the vhost's `existing` policies.
-pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecision {
+/// The policies among `policies` that match queue `queue` of type `queue_type` (`classic`,
+/// `quorum`), highest priority first (the first is the one RabbitMQ applies; among equals by
+/// name, so the choice is stable), and the names of those whose pattern could not be read.
+pub fn matching_policies<'a>(
+    queue: &str,
+    queue_type: &str,
+    policies: &'a [PolicyInfo],
+) -> (Vec<&'a PolicyInfo>, Vec<String>) {
     let mut unreadable = Vec::new();
-    let mut matching: Vec<&PolicyInfo> = existing
+    let mut matching: Vec<&PolicyInfo> = policies
         .iter()
-        .filter(|p| {
-            p.name != plan.policy_name
-                && matches!(p.apply_to.as_str(), "queues" | "all" | "classic_queues" | "quorum_queues")
+        .filter(|p| match p.apply_to.as_str() {
+            "queues" | "all" => true,
+            "classic_queues" => queue_type == "classic",
+            "quorum_queues" => queue_type == "quorum",
+            _ => false,
         })
-        .filter(|p| p.apply_to != "classic_queues" || plan.queue_type == crate::crd::QueueType::Classic)
-        .filter(|p| p.apply_to != "quorum_queues" || plan.queue_type == crate::crd::QueueType::Quorum)
         .filter(|p| match exact_name(&p.pattern) {
-            Some(name) => name == plan.queue,
+            Some(name) => name == queue,
             None => match Regex::new(&p.pattern) {
-                Ok(re) => re.is_match(&plan.queue),
+                Ok(re) => re.is_match(queue),
                 Err(_) => {
                     unreadable.push(p.name.clone());
                     false
@@ -127,8 +133,14 @@ pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecis
             },
         })
         .collect();
-    // Highest priority first; among equals, by name, so the choice is stable.
     matching.sort_by(|a, b| b.priority.cmp(&a.priority).then_with(|| a.name.cmp(&b.name)));
+    (matching, unreadable)
+}
+
+/// Decides the operator policy for `plan` among the vhost's `existing` policies.
+pub fn policy_decision(plan: &QueuePlan, existing: &[PolicyInfo]) -> PolicyDecision {
+    let (mut matching, unreadable) = matching_policies(&plan.queue, plan.queue_type.as_str(), existing);
+    matching.retain(|p| p.name != plan.policy_name);
     let shadowed_by = matching.iter().find(|p| p.priority >= POLICY_PRIORITY).map(|p| (*p).clone());
     let displaced = matching.iter().find(|p| p.priority < POLICY_PRIORITY).copied();
 

@@ -78,6 +78,7 @@ pub enum Reason {
     MigrationCompleted,
     MigrationRefused,
     MigrationFailed,
+    MigrationRolledBack,
 }
 
 impl Reason {
@@ -299,6 +300,7 @@ pub fn migrating(m: &MigrationStatus) -> Check {
     match m.phase {
         MigrationPhase::Completed => Check::failed(Reason::MigrationCompleted, m.message.clone()),
         MigrationPhase::Refused => Check::failed(Reason::MigrationRefused, m.message.clone()),
+        MigrationPhase::RolledBack => Check::failed(Reason::MigrationRolledBack, m.message.clone()),
         phase => Check::ok(Reason::Migrating, format!("{}: {}", phase.as_str(), m.message)),
     }
 }

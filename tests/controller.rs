@@ -969,13 +969,13 @@ async fn a_type_change_with_migrate_is_carried_out_step_by_step_in_status_and_ev
     let dlq = format!("{name}.dlq");
     let mut expected: Vec<String> = Vec::new();
     for queue in [&dlq, &name] {
-        for phase in ["Preparing", "Draining", "Swapping", "Restoring", "Refilling"] {
+        for phase in ["Preparing", "Draining", "Swapping", "Restoring", "Refilling", "RestartingConsumers"] {
             expected.push(format!("{queue} {phase}"));
         }
     }
     expected.push(format!("{name} Completed"));
     assert_eq!(steps, expected, "each step recorded before it was taken");
-    assert_eq!(events.iter().filter(|e| *e == "Migrating").count(), 10, "{events:?}");
+    assert_eq!(events.iter().filter(|e| *e == "Migrating").count(), 12, "{events:?}");
     assert!(events.contains(&"MigrationCompleted".to_owned()), "{events:?}");
 
     let m = &status["migration"];
@@ -1017,21 +1017,27 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
     let (ctx, api) = guarded_harness(&after, &name).await;
 
     let echo = serde_json::to_value(&after).unwrap();
-    let server = tokio::spawn(serve_migration_pass(api, echo, name.clone(), true));
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(serve_migration_pass(api, echo, name.clone(), true, finished));
     run(after.clone(), ctx.clone()).await.unwrap();
+    done.send(()).unwrap();
     let pass = server.await.unwrap();
 
     let phases: Vec<String> = pass.statuses.iter().map(|s| phase_of(&s["migration"])).collect();
     let mut expected: Vec<String> = Vec::new();
     for queue in [format!("{name}.dlq"), name.clone()] {
-        for phase in ["Preparing", "Draining", "Swapping", "Restoring", "Refilling"] {
+        for phase in ["Preparing", "Draining", "Swapping", "Restoring", "Refilling", "RestartingConsumers"] {
             expected.push(format!("{queue} {phase}"));
         }
     }
     expected.extend(["RestartingConsumers", "Completed", "Completed"].map(|p| format!("{name} {p}")));
     assert_eq!(phases, expected, "each step recorded before it was taken, then the pass's status");
     // The queue's own start (its dead-letter queue moved first, with a start of its own).
-    let restarting = pass.statuses.iter().find(|s| s["migration"]["phase"] == "RestartingConsumers").unwrap();
+    let restarting = pass
+        .statuses
+        .iter()
+        .find(|s| s["migration"]["phase"] == "RestartingConsumers" && s["migration"]["queue"] == name.as_str())
+        .unwrap();
     let stamp = restarting["migration"]["startedAt"].as_str().expect("the start is recorded").to_owned();
     let restart = json!({"spec": {"template": {"metadata": {"annotations": {"queueguard.io/restartedAt": stamp}}}}});
     assert_eq!(
@@ -1053,9 +1059,11 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut next = after.clone();
     next.status = Some(serde_json::from_value(status.clone()).unwrap());
-    let server =
-        tokio::spawn(serve_migration_pass(pass.api, serde_json::to_value(&next).unwrap(), name.clone(), false));
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let next_pass = serve_migration_pass(pass.api, serde_json::to_value(&next).unwrap(), name.clone(), false, finished);
+    let server = tokio::spawn(next_pass);
     run(next, ctx).await.unwrap();
+    done.send(()).unwrap();
     let quiet = server.await.unwrap();
     assert!(!quiet.events.contains(&"QueueRecreated".to_owned()), "{:?}", quiet.events);
     assert!(quiet.restarts.is_empty());
@@ -1065,8 +1073,11 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
     let mut resumed = after.clone();
     resumed.status = Some(serde_json::from_value(restarting.clone()).unwrap());
     let (ctx, api) = guarded_harness(&after, &name).await;
-    let server = tokio::spawn(serve_migration_pass(api, serde_json::to_value(&resumed).unwrap(), name.clone(), true));
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let resumed_pass = serve_migration_pass(api, serde_json::to_value(&resumed).unwrap(), name.clone(), true, finished);
+    let server = tokio::spawn(resumed_pass);
     run(resumed, ctx).await.unwrap();
+    done.send(()).unwrap();
     let again = server.await.unwrap();
     assert_eq!(again.restarts.iter().map(|(_, body)| body).collect::<Vec<_>>(), vec![&restart]);
     assert_eq!(again.statuses.last().unwrap()["migration"]["phase"], "Completed");
@@ -1104,13 +1115,35 @@ fn phase_of(m: &Value) -> String {
 /// `fresh`): status writes echo `echo`, a Deployment patch answers the Deployment, the gate's own
 /// writes (the budget, the pod's condition, which closes while the queue is swapped) and Events
 /// echo their bodies.
-async fn serve_migration_pass(mut api: ApiServer, echo: Value, name: String, fresh: bool) -> MigrationPass {
+/// Serves a pass's requests; once `done` (the reconcile returned), until a second passes
+/// without one. Before, the pass can go quiet for seconds (a swap waits for the queue's
+/// statistics).
+async fn serve_migration_pass(
+    mut api: ApiServer,
+    echo: Value,
+    name: String,
+    fresh: bool,
+    mut done: tokio::sync::oneshot::Receiver<()>,
+) -> MigrationPass {
     if fresh {
         api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
     }
     let (mut statuses, mut restarts, mut events) = (Vec::new(), Vec::new(), Vec::new());
     let mut names = std::collections::HashMap::new();
-    while let Some(call) = api.next(Duration::from_secs(1)).await {
+    let mut finished = false;
+    loop {
+        let call = if finished {
+            api.next(Duration::from_secs(1)).await
+        } else {
+            tokio::select! {
+                call = api.next(Duration::from_secs(60)) => call,
+                _ = &mut done => {
+                    finished = true;
+                    continue;
+                }
+            }
+        };
+        let Some(call) = call else { break };
         let (method, path, body) = (call.method.clone(), call.path.clone(), call.body.clone());
         if path == format!("{POLICIES}/{name}/status") {
             statuses.push(body["status"].clone());

@@ -128,7 +128,7 @@ fn the_demo_migrate_command_prints_the_swap_and_exits_0() {
     // Each step of both queues (dead-letter queue first) is told before it is taken.
     let steps: Vec<&str> =
         log.lines().filter(|l| l.starts_with("queue '")).filter_map(|l| l.split(": ").nth(1)).collect();
-    let once = ["Preparing", "Draining", "Swapping", "Restoring", "Refilling"];
+    let once = ["Preparing", "Draining", "Swapping", "Restoring", "Refilling", "RestartingConsumers"];
     assert_eq!(steps, [&once[..], &once[..]].concat(), "{log}");
     assert!(!log.contains("ERROR") && !log.contains("WARN"), "{log}");
 }

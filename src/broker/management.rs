@@ -71,11 +71,27 @@ pub struct QueueInfo {
     pub consumers: Option<i64>,
     #[serde(default)]
     pub policy: Option<String>,
+    /// The policy's definition merged with the operator policy's, as the queue's last
+    /// statistics carried it (`{}` or absent without one).
+    #[serde(default)]
+    pub effective_policy_definition: Option<Map<String, Value>>,
+    /// Its consumers (a queue's own page only; not in listings).
+    #[serde(default)]
+    pub consumer_details: Vec<QueueConsumer>,
     #[serde(default)]
     pub message_stats: MessageStats,
     /// When the queue last saw activity, while it is idle (`2026-12-03 7:41:20`, broker time).
     #[serde(default)]
     pub idle_since: Option<String>,
+}
+
+/// A consumer as a queue's page lists it.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct QueueConsumer {
+    #[serde(default)]
+    pub consumer_tag: String,
+    #[serde(default)]
+    pub exclusive: bool,
 }
 
 /// Cumulative message counters of a queue; absent until the first of each happens.
@@ -104,9 +120,14 @@ pub struct BindingInfo {
     /// The exchange; empty for the default exchange's implicit binding.
     pub source: String,
     #[serde(default)]
+    pub destination: String,
+    #[serde(default)]
     pub routing_key: String,
     #[serde(default)]
     pub arguments: Map<String, Value>,
+    /// The broker's own name for the binding (routing key and arguments), by which it is deleted.
+    #[serde(default)]
+    pub properties_key: String,
 }
 
 /// A feature flag and whether it is enabled (`enabled`, `disabled`, `unavailable`).
@@ -566,6 +587,11 @@ impl ManagementClient {
         Ok(())
     }
 
+    /// The vhost's operator policies (merged with a queue's policy, never outranked by one).
+    pub async fn operator_policies(&self, vhost: &str) -> Result<Vec<PolicyInfo>, ManagementError> {
+        Ok(self.get_opt(&["operator-policies", vhost]).await?.unwrap_or_default())
+    }
+
     pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, ManagementError> {
         Ok(self.get_opt(&["connections"]).await?.unwrap_or_default())
     }
@@ -593,6 +619,18 @@ impl ManagementClient {
     /// The bindings whose destination is this queue, the default exchange's among them.
     pub async fn queue_bindings(&self, vhost: &str, queue: &str) -> Result<Vec<BindingInfo>, ManagementError> {
         Ok(self.get_opt(&["queues", vhost, queue, "bindings"]).await?.unwrap_or_default())
+    }
+
+    /// Deletes the binding of `queue` to `exchange` whose properties key is `key`; a missing one
+    /// counts as deleted.
+    pub async fn delete_queue_binding(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        queue: &str,
+        key: &str,
+    ) -> Result<(), ManagementError> {
+        self.send(Method::DELETE, &["bindings", vhost, "e", exchange, "q", queue, key], None).await.map(drop)
     }
 
     /// The cluster's feature flags; None where the API has no such listing.

@@ -11,7 +11,10 @@ use crate::{
     events::{EventReason, EventSpec},
     gate::index::ObjectKey,
     metrics::PolicyLabels,
-    migrate::run::{Journal, PolicyMigration, completed, migrate_policy},
+    migrate::{
+        Bounds,
+        run::{Journal, PolicyMigration, completed, migrate_policy},
+    },
     names::RESTARTED_AT,
     plan::QueuePlan,
     status::{Check, Reason, migrating, with_migration},
@@ -78,7 +81,7 @@ impl Journal for StatusJournal<'_> {
 /// The step's Event: its reason is the Migrating condition's; a refusal is a Warning.
 fn event(m: &MigrationStatus) -> EventSpec {
     EventSpec {
-        warning: m.phase == MigrationPhase::Refused,
+        warning: matches!(m.phase, MigrationPhase::Refused | MigrationPhase::RolledBack),
         reason: EventReason::Condition(migrating(m).reason),
         action: "MigrateQueue",
         note: format!("{} ({}): {}", m.queue, m.phase.as_str(), m.message),
@@ -104,7 +107,7 @@ pub(super) async fn run(
     let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx, tracker, vhost: broker.vhost() };
     let mut moved = restart_pending.cloned();
     if plan.on_change == OnChange::Migrate {
-        match migrate_policy(broker, plan, recorded, &mut journal).await {
+        match migrate_policy(broker, plan, recorded, &mut journal, &Bounds::default()).await {
             Ok(PolicyMigration::NotNeeded) => {}
             Ok(PolicyMigration::Moved(state)) => moved = Some(state),
             Ok(PolicyMigration::Stopped(check, state)) => return Ok(Migrated::Stopped(check, state)),

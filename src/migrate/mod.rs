@@ -10,21 +10,30 @@
 
 pub mod mover;
 pub mod run;
+mod swap;
 
 use crate::{
     broker::{
         amqp::AmqpError,
-        management::{FeatureFlag, ManagementError, PolicyInfo, QueueInfo},
+        management::{FeatureFlag, ManagementError, PolicyInfo, QueueConsumer, QueueInfo},
     },
     crd::{MigrationPhase, QueueType},
     plan::QueuePlan,
     settings::{self, ArgValue},
 };
 use serde_json::{Map, Value, json};
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, time::Duration};
 
-/// Above any priority a team gives its own policies: the fence must apply alone for its moment.
-const FENCE_PRIORITY: i64 = 999_999_999;
+/// Above any priority a team gives its own policies: the migration's own policies (the fence,
+/// the holding queue's) must apply alone.
+const OWN_PRIORITY: i64 = 999_999_999;
+const FENCE_PREFIX: &str = "queueguard-fence.";
+const HOLDING_POLICY_PREFIX: &str = "queueguard-holding.";
+/// Policy keys that decide what becomes of a message while it waits in a queue.
+const DEAD_LETTER_KEYS: [&str; 2] = ["dead-letter-exchange", "dead-letter-routing-key"];
+/// Operator-policy keys that would refuse, drop or expire what the holding queue holds: an
+/// operator policy is merged with ours (the lower limit wins), never outranked.
+const LIMITING_KEYS: [&str; 3] = ["max-length", "max-length-bytes", "expires"];
 
 /// AMQP short strings, which carry queue names, hold at most 255 bytes.
 const MAX_NAME_BYTES: usize = 255;
@@ -57,6 +66,42 @@ pub enum Error {
     /// The journal could not record the next step, so it was not taken.
     #[error("could not record the migration before {phase}: {detail}")]
     NotRecorded { phase: &'static str, detail: String },
+    /// The queue's consumers still held deliveries when the wait for them ended: the queue was
+    /// not deleted (a delivery requeued after it would be lost), and the migration unwound.
+    #[error(
+        "{unacknowledged} deliveries of queue '{queue}' were still unacknowledged by its consumers after {}s: the queue is not deleted while they could be requeued, so its routes and messages were moved back and it keeps its shape; a consumer that never acknowledges must be restarted",
+        waited.as_secs()
+    )]
+    Unacknowledged { queue: String, unacknowledged: i64, waited: Duration },
+    /// Publishes through the default exchange kept reaching the queue: deleting it under them
+    /// could lose one, so the migration unwound.
+    #[error(
+        "publishes through the default exchange kept reaching queue '{queue}' ({publishes} in {}s, each moved on into the holding queue) without a pause of a second: RabbitMQ confirms a publish that reaches a queue as it is deleted and drops it with the queue, so the swap waits for a pause. Its routes and messages were moved back and it keeps its shape: migrate when those publishers pause, or have them publish through an exchange",
+        waited.as_secs()
+    )]
+    Publishing { queue: String, publishes: u64, waited: Duration },
+    /// The queue held ready messages and delivered none to the mover for the stall bound.
+    #[error(
+        "queue '{queue}' held {ready} ready messages and delivered none to queueguard for {}s (a single active consumer, or a broker under flow control, keeps them from it): the migration unwound",
+        stalled.as_secs()
+    )]
+    Stalled { queue: String, ready: u32, stalled: Duration },
+}
+
+/// How long a migration waits on others before it unwinds and says why.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bounds {
+    /// For the queue's consumers to acknowledge what they hold before the swap (they receive
+    /// nothing new meanwhile), and for publishes through the default exchange to pause.
+    pub unacknowledged: Duration,
+    /// For a queue that holds ready messages to deliver any to the mover.
+    pub stall: Duration,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Self { unacknowledged: Duration::from_secs(60), stall: Duration::from_secs(20) }
+    }
 }
 
 /// A queue's fixed shape, as the management API lists it.
@@ -205,9 +250,20 @@ pub fn holding_name(queue: &str) -> String {
     format!("{queue}{HOLDING_SUFFIX}")
 }
 
+/// What the broker says around a queue, for [`refusal`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Surroundings<'a> {
+    /// The broker's feature flags (None where it does not list them).
+    pub flags: Option<&'a [FeatureFlag]>,
+    /// The queue's consumers, as the management API lists them.
+    pub consumers: &'a [QueueConsumer],
+    /// The vhost's operator policies.
+    pub operator_policies: &'a [PolicyInfo],
+}
+
 /// Why a migration from `current` to `target` cannot go ahead, found before anything is
-/// touched. `flags` are the broker's feature flags (None where it does not list them).
-pub fn refusal(current: &Shape, target: &Target, flags: Option<&[FeatureFlag]>) -> Option<String> {
+/// touched.
+pub fn refusal(current: &Shape, target: &Target, around: &Surroundings) -> Option<String> {
     let queue = &target.queue;
     if current.exclusive {
         return Some(format!(
@@ -218,6 +274,19 @@ pub fn refusal(current: &Shape, target: &Target, flags: Option<&[FeatureFlag]>) 
         return Some(format!(
             "queue '{queue}' is a {} queue; queueguard migrates classic and quorum queues only",
             current.queue_type
+        ));
+    }
+    if let Some(c) = around.consumers.iter().find(|c| c.exclusive) {
+        return Some(format!(
+            "queue '{queue}' has an exclusive consumer ('{}'): nobody else can take its messages to move them. Stop that consumer first",
+            c.consumer_tag
+        ));
+    }
+    let single_active = current.arguments.get("x-single-active-consumer") == Some(&json!(true));
+    if single_active && !around.consumers.is_empty() {
+        return Some(format!(
+            "queue '{queue}' has a single active consumer: while one is attached ({} are), the queue delivers to nobody else, so its messages cannot be moved. Stop its consumers first",
+            around.consumers.len()
         ));
     }
     let quorum = target.queue_type == QueueType::Quorum;
@@ -239,7 +308,7 @@ pub fn refusal(current: &Shape, target: &Target, flags: Option<&[FeatureFlag]>) 
             "quorum queues do not support x-overflow reject-publish-dlx (queue '{queue}'); use reject-publish or drop-head"
         ));
     }
-    if quorum && let Some(flags) = flags {
+    if quorum && let Some(flags) = around.flags {
         let enabled = flags.iter().any(|f| f.name == "quorum_queue" && f.state == "enabled");
         if !enabled {
             return Some(
@@ -247,40 +316,135 @@ pub fn refusal(current: &Shape, target: &Target, flags: Option<&[FeatureFlag]>) 
             );
         }
     }
-    if holding_name(queue).len() > MAX_NAME_BYTES {
+    let holding = holding_name(queue);
+    if holding.len() > MAX_NAME_BYTES {
         return Some(format!(
-            "queue '{queue}' is too long a name for its holding queue ('{queue}{HOLDING_SUFFIX}' would pass the broker's 255 bytes)"
+            "queue '{queue}' is too long a name for its holding queue ('{holding}' would pass the broker's 255 bytes)"
+        ));
+    }
+    let (operator, _) = settings::matching_policies(&holding, target.queue_type.as_str(), around.operator_policies);
+    if let Some(p) = operator.first()
+        && let Some(key) = LIMITING_KEYS.iter().find(|k| p.definition.contains_key(**k))
+    {
+        return Some(format!(
+            "operator policy '{}' applies to the holding queue '{holding}' with {key} {}: it would refuse, drop or expire the messages held there, and no policy outranks an operator policy. Narrow its pattern, or lift that key for the migration",
+            p.name,
+            shown(&p.definition[*key])
         ));
     }
     None
 }
 
-/// The policy that fences a queue while it is swapped: it refuses every publish (a publisher with
-/// confirms gets a nack and retries), so no message reaches the queue while the broker deletes
-/// it. Without it, a message routed to the queue as its deletion runs is confirmed and dropped
-/// with it. A policy's overflow gives way to a declared `x-overflow`: with `drop-head` declared,
-/// a length limit of 0 would drop messages instead, so such a queue is not fenced (None).
-pub fn fence(queue: &str, current: &Shape) -> Option<PolicyInfo> {
-    let declared = current.arguments.get("x-overflow").and_then(Value::as_str);
-    if declared.is_some_and(|o| !o.starts_with("reject-publish")) {
-        return None;
+/// What the queue does to a message that waits in it, as policy keys: where it dead-letters
+/// (a declared argument wins over the policy that applies) and its message TTL (the lower of the
+/// two), RabbitMQ's own rules. The holding queue and the fence do the same.
+pub fn waiting_settings(current: &Shape, applying: Option<&PolicyInfo>) -> Map<String, Value> {
+    let policy = applying.map(|p| &p.definition);
+    let mut waiting = Map::new();
+    for key in DEAD_LETTER_KEYS {
+        let declared = current.arguments.get(&format!("x-{key}"));
+        if let Some(value) = declared.or_else(|| policy.and_then(|d| d.get(key))) {
+            waiting.insert(key.into(), value.clone());
+        }
     }
-    Some(PolicyInfo {
-        name: fence_name(queue),
-        pattern: format!("^{}$", regex::escape(queue)),
-        apply_to: "queues".into(),
-        priority: FENCE_PRIORITY,
-        definition: Map::from_iter([("max-length".into(), json!(0)), ("overflow".into(), json!("reject-publish"))]),
-    })
+    let ttls = [current.arguments.get("x-message-ttl"), policy.and_then(|d| d.get("message-ttl"))];
+    if let Some(ttl) = ttls.into_iter().flatten().filter_map(Value::as_i64).min() {
+        waiting.insert("message-ttl".into(), json!(ttl));
+    }
+    waiting
 }
 
-pub fn fence_name(queue: &str) -> String {
-    format!("queueguard-fence.{queue}")
+/// A priority above every policy of the vhost but the migration's own.
+pub fn above(policies: &[PolicyInfo]) -> i64 {
+    let top = policies.iter().filter(|p| !is_own(p)).map(|p| p.priority).max().unwrap_or(0);
+    OWN_PRIORITY.max(top + 1)
+}
+
+fn is_own(p: &PolicyInfo) -> bool {
+    p.name.starts_with(FENCE_PREFIX) || p.name.starts_with(HOLDING_POLICY_PREFIX)
+}
+
+/// The holding queue's policy: above every other, so no policy of the vhost shapes what it
+/// holds (a length limit, an expiry, a TTL meant for other queues); it dead-letters and expires
+/// messages as the queue does (`waiting`). Its overflow also makes an operator policy's limit
+/// refuse copies (the mover then stops) rather than drop them.
+pub fn holding_policy(queue: &str, waiting: &Map<String, Value>, priority: i64) -> PolicyInfo {
+    let mut definition = waiting.clone();
+    definition.insert("overflow".into(), json!("reject-publish"));
+    PolicyInfo {
+        name: holding_policy_name(queue),
+        pattern: format!("^{}$", regex::escape(&holding_name(queue))),
+        apply_to: "queues".into(),
+        priority,
+        definition,
+    }
+}
+
+pub fn holding_policy_name(queue: &str) -> String {
+    format!("{HOLDING_POLICY_PREFIX}{queue}")
+}
+
+/// The policies that fence a queue while it is swapped, one name per attempt (so statistics
+/// that show it were read after this attempt put it up), above every other policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fence {
+    /// Refuses nothing yet: sets the queue's overflow to reject-publish, so that closing the
+    /// fence drops nothing. RabbitMQ applies a policy's max-length before its overflow, and under
+    /// the default drop-head a length of 0 empties the queue: measured, a one-step fence deleted
+    /// every message that reached the queue just before it (3.10.8 and 4.0.5).
+    pub ready: PolicyInfo,
+    /// Refuses every publish (a publisher with confirms gets a nack and retries), so no message
+    /// reaches the queue while the broker deletes it: one routed to it as its deletion runs is
+    /// confirmed and dropped with it. None where a declared `x-overflow` would drop instead (an
+    /// argument's overflow outranks a policy's): such a queue is swapped unfenced.
+    pub closed: Option<PolicyInfo>,
+}
+
+pub fn fence(queue: &str, current: &Shape, waiting: &Map<String, Value>, priority: i64, attempt: u64) -> Fence {
+    let mut definition = waiting.clone();
+    definition.insert("overflow".into(), json!("reject-publish"));
+    let ready = PolicyInfo {
+        name: format!("{FENCE_PREFIX}{queue}@{attempt}"),
+        pattern: format!("^{}$", regex::escape(queue)),
+        apply_to: "queues".into(),
+        priority,
+        definition,
+    };
+    let declared = current.arguments.get("x-overflow").and_then(Value::as_str);
+    let closed = declared.is_none_or(|o| o.starts_with("reject-publish")).then(|| {
+        let mut closed = ready.clone();
+        closed.definition.insert("max-length".into(), json!(0));
+        closed
+    });
+    Fence { ready, closed }
+}
+
+impl Fence {
+    /// Whether the queue's statistics were emitted with `policy` of this fence in force: the
+    /// ready fence by name, the closed one by its length of 0 too.
+    pub fn shown_in(info: &QueueInfo, policy: &PolicyInfo) -> bool {
+        let named = info.policy.as_deref() == Some(policy.name.as_str());
+        let length = |d: &Map<String, Value>| d.get("max-length").and_then(Value::as_i64);
+        let closing = length(&policy.definition) == Some(0);
+        named && (!closing || info.effective_policy_definition.as_ref().and_then(length) == Some(0))
+    }
+}
+
+/// Whether `policy` is a fence of `queue` (of any attempt).
+pub fn is_fence_of(policy: &PolicyInfo, queue: &str) -> bool {
+    policy.name.starts_with(FENCE_PREFIX) && policy.pattern == format!("^{}$", regex::escape(queue))
 }
 
 /// What `queueguard migrate` will do (or, with --dry-run, would), in words: from and to, the
 /// arguments the new type does not take, why it cannot go ahead, or the steps.
-pub fn plan_text(vhost: &str, current: &Shape, target: &Target, dropped: &[String], refused: Option<&str>) -> String {
+pub fn plan_text(
+    vhost: &str,
+    current: &Shape,
+    target: &Target,
+    dropped: &[String],
+    refused: Option<&str>,
+    bounds: &Bounds,
+) -> String {
     let queue = &target.queue;
     let mut lines =
         vec![format!("queue '{queue}' in vhost '{vhost}': {} → {}", current.describe(), target.shape().describe())];
@@ -300,17 +464,30 @@ pub fn plan_text(vhost: &str, current: &Shape, target: &Target, dropped: &[Strin
         return lines.join("\n") + "\n";
     }
     let holding = holding_name(queue);
+    let fenced = fence(queue, current, &Map::new(), 0, 0).closed.is_some();
+    let swap = if fenced {
+        format!(
+            "  4. refuse publishes to '{queue}' for a moment (a policy), delete it once empty and declare it {}",
+            target.queue_type.as_str()
+        )
+    } else {
+        format!(
+            "  4. delete it once empty and declare it {} (unfenced: its declared x-overflow would drop what a fence refuses, so a publish through the default exchange in that moment can be lost)",
+            target.queue_type.as_str()
+        )
+    };
     lines.extend([
         format!(
-            "  1. declare '{holding}' ({}) and move the exchange routes of '{queue}' to it",
+            "  1. declare '{holding}' ({}, under a policy of its own that dead-letters and expires as '{queue}' does and limits nothing) and move the exchange routes of '{queue}' to it",
             target.queue_type.as_str()
         ),
         format!("  2. move the messages of '{queue}' into it (publisher confirms; acknowledged once confirmed)"),
         format!(
-            "  3. refuse publishes to '{queue}' for a moment (a policy), delete it once empty and declare it {}",
-            target.queue_type.as_str()
+            "  3. wait until the consumers of '{queue}' hold no unacknowledged delivery (they receive nothing new meanwhile; at most {}s, else move everything back and stop)",
+            bounds.unacknowledged.as_secs()
         ),
-        format!("  4. move the routes and the messages back, and delete '{holding}'"),
+        swap,
+        format!("  5. move the routes and the messages back, and delete '{holding}'"),
         "  then restart the consumers: the swap cancels them, and clients that do not consume again sit idle".into(),
     ]);
     lines.join("\n") + "\n"

@@ -1,15 +1,21 @@
 //! Carries out a migration on the broker, step by step, each recorded before it is taken.
 
-use super::{Error, Resume, Shape, Target, fence, fence_name, holding_name, mover, refusal, resume_at};
+use super::{
+    Bounds, Error, Resume, Shape, Surroundings, Target, above, holding_name, holding_policy, holding_policy_name,
+    is_fence_of,
+    mover::{self, Moving},
+    refusal, resume_at, swap, waiting_settings,
+};
 use crate::{
     broker::{
         Broker,
-        amqp::{AmqpError, OPERATION_TIMEOUT, PooledChannel},
-        management::PolicyInfo,
+        amqp::{AmqpError, PooledChannel},
+        management::{PolicyInfo, QueueInfo},
         refusal::{NOT_FOUND, PRECONDITION_FAILED},
     },
     crd::{MigrationPhase, MigrationStatus, QueueType},
     plan::QueuePlan,
+    settings,
     status::{Check, Reason},
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
@@ -20,14 +26,8 @@ use lapin::{
 use serde_json::{Map, Value};
 use std::{
     sync::atomic::{AtomicU64, Ordering},
-    time::{Duration, Instant},
+    time::Duration,
 };
-
-/// Attempts at deleting the emptied queue before giving up for this pass: each failed one
-/// (messages published to it meanwhile through the default exchange) drains it again.
-const SWAP_ATTEMPTS: usize = 20;
-/// A moment for the fence to reach a queue on another node.
-const FENCE_SETTLE: Duration = Duration::from_millis(50);
 
 /// Where a migration's progress is recorded before each step: status.migration in the
 /// cluster, the terminal in local mode. An error stops the migration before that step.
@@ -40,38 +40,39 @@ pub trait Journal {
 pub enum Ended {
     /// Nothing to migrate: the queue has its target shape (or does not exist yet).
     NotNeeded,
-    /// The queue has its new shape, its routes and its messages; the state is not recorded yet
-    /// (its phase is RestartingConsumers: the caller restarts them, or says they must be).
+    /// The queue has its new shape, its routes and its messages; its state, phase
+    /// RestartingConsumers, is recorded (the caller restarts them, or says they must be).
     Moved(Box<MigrationStatus>),
 }
 
 /// A whole migration of `target.queue` on `broker` (in the broker's vhost), resumed where the
 /// broker's state says it stopped. `previous` is the last recorded state (its counts and start
-/// carry on).
+/// carry on). A step that cannot finish because of others (consumers holding deliveries, a
+/// queue that delivers nothing to the mover, an exclusive consumer) unwinds before the queue is
+/// deleted: routes and messages go back to the queue, which keeps its shape, and the error says
+/// why.
 pub async fn migrate<J: Journal>(
     broker: &Broker,
     target: &Target,
     previous: Option<&MigrationStatus>,
     journal: &mut J,
+    bounds: &Bounds,
 ) -> Result<Ended, Error> {
     let vhost = broker.vhost().to_owned();
     let holding = holding_name(&target.queue);
-    let current = broker.management.queue(&vhost, &target.queue).await?.map(|q| Shape::of(&q));
+    let info = broker.management.queue(&vhost, &target.queue).await?;
+    let current = info.as_ref().map(Shape::of);
     let held = broker.management.queue(&vhost, &holding).await?.is_some();
     // A record of a migration to another shape (the spec changed midway) says nothing of this one.
     let in_progress = previous.filter(|p| {
-        p.queue == target.queue && p.to == target.shape().describe() && p.phase < MigrationPhase::RestartingConsumers
+        p.queue == target.queue && p.to == target.shape().describe() && p.phase <= MigrationPhase::RestartingConsumers
     });
     let mut state = in_progress.cloned().unwrap_or_default();
     let first = match resume_at(current.as_ref(), held, target, in_progress.map(|p| p.phase)) {
         Resume::NotNeeded => return Ok(Ended::NotNeeded),
         Resume::Start => {
-            let current = current.as_ref().expect("Start means the queue exists");
-            let flags = match target.queue_type {
-                QueueType::Quorum => broker.management.feature_flags().await?,
-                QueueType::Classic => None,
-            };
-            if let Some(why) = refusal(current, target, flags.as_deref()) {
+            let (Some(info), Some(current)) = (&info, &current) else { unreachable!("Start means the queue exists") };
+            if let Some(why) = refusal_on(broker, info, target).await? {
                 return Err(Error::Refused(why));
             }
             state = MigrationStatus {
@@ -92,7 +93,7 @@ pub async fn migrate<J: Journal>(
         state.from = current.as_ref().map(Shape::describe).unwrap_or_default();
     }
 
-    let mut step = Step { broker, target, holding: &holding, vhost: &vhost, state, journal };
+    let mut step = Step { broker, target, holding: &holding, vhost: &vhost, state, journal, bounds };
     for phase in [
         MigrationPhase::Preparing,
         MigrationPhase::Draining,
@@ -100,14 +101,56 @@ pub async fn migrate<J: Journal>(
         MigrationPhase::Restoring,
         MigrationPhase::Refilling,
     ] {
-        if phase >= first {
-            step.take(phase).await?;
+        if phase < first {
+            continue;
+        }
+        match step.take(phase).await {
+            Ok(()) => {}
+            // Before the swap deleted anything: the queue is there with its old shape.
+            Err(e) if unwinds(&e) && phase <= MigrationPhase::Swapping => {
+                step.unwind(&e).await?;
+                return Err(e);
+            }
+            Err(e) => return Err(e),
         }
     }
-    let mut state = step.state;
-    state.phase = MigrationPhase::RestartingConsumers;
-    state.message = format!("queue '{}' is now {}", target.queue, state.to);
-    Ok(Ended::Moved(Box::new(state)))
+    Ok(Ended::Moved(Box::new(step.state)))
+}
+
+/// Why a migration of the queue `info` describes to `target` cannot go ahead, from what the
+/// broker says around it (feature flags, its consumers, the vhost's operator policies).
+pub async fn refusal_on(broker: &Broker, info: &QueueInfo, target: &Target) -> Result<Option<String>, Error> {
+    let flags = match target.queue_type {
+        QueueType::Quorum => broker.management.feature_flags().await?,
+        QueueType::Classic => None,
+    };
+    let operator_policies = broker.management.operator_policies(broker.vhost()).await?;
+    let around = Surroundings {
+        flags: flags.as_deref(),
+        consumers: &info.consumer_details,
+        operator_policies: &operator_policies,
+    };
+    Ok(refusal(&Shape::of(info), target, &around))
+}
+
+/// The target recorded on the holding queue of `queue` (see [`ensure_holding`]): where a
+/// migration was going when it was cut off between deleting the queue and declaring it again.
+pub async fn recorded_target(broker: &Broker, queue: &str) -> Result<Option<Target>, Error> {
+    let holding = broker.management.queue(broker.vhost(), &holding_name(queue)).await?;
+    let recorded = holding.as_ref().and_then(|h| h.arguments.get(TARGET_ARGUMENT)).and_then(Value::as_str);
+    let Some(mut arguments) = recorded.and_then(|r| serde_json::from_str::<Map<String, Value>>(r).ok()) else {
+        return Ok(None);
+    };
+    let queue_type = match arguments.remove("x-queue-type").as_ref().and_then(Value::as_str) {
+        Some("quorum") => QueueType::Quorum,
+        _ => QueueType::Classic,
+    };
+    Ok(Some(Target { queue: queue.to_owned(), queue_type, arguments }))
+}
+
+/// Errors that others caused, which time will not mend within this attempt.
+fn unwinds(e: &Error) -> bool {
+    matches!(e, Error::Unacknowledged { .. } | Error::Publishing { .. } | Error::Stalled { .. } | Error::Refused(_))
 }
 
 struct Step<'a, J> {
@@ -117,43 +160,94 @@ struct Step<'a, J> {
     vhost: &'a str,
     state: MigrationStatus,
     journal: &'a mut J,
+    bounds: &'a Bounds,
 }
 
 impl<J: Journal> Step<'_, J> {
-    async fn take(&mut self, phase: MigrationPhase) -> Result<(), Error> {
+    async fn record(&mut self, phase: MigrationPhase, message: String) -> Result<(), Error> {
         self.state.phase = phase;
-        self.state.message = describe(phase, &self.target.queue, self.holding);
-        self.journal
-            .record(&self.state)
-            .await
-            .map_err(|detail| Error::NotRecorded { phase: phase.as_str(), detail })?;
+        self.state.message = message;
+        self.journal.record(&self.state).await.map_err(|detail| Error::NotRecorded { phase: phase.as_str(), detail })
+    }
+
+    async fn take(&mut self, phase: MigrationPhase) -> Result<(), Error> {
+        self.record(phase, describe(phase, &self.target.queue, self.holding)).await?;
         let (queue, holding) = (self.target.queue.as_str(), self.holding);
         match phase {
             MigrationPhase::Preparing => {
-                ensure_holding(self.broker, holding, self.target).await?;
+                self.hold().await?;
                 self.reroute(queue, holding).await
             }
             MigrationPhase::Draining => {
                 self.state.moved_out += self.drain(queue, holding).await?;
                 Ok(())
             }
-            MigrationPhase::Swapping => self.swap().await,
+            MigrationPhase::Swapping => {
+                let swapped = swap::swap(self.broker, self.target, holding, self.bounds).await;
+                let swapped = match swapped {
+                    Ok(s) => s,
+                    Err((e, moved)) => {
+                        self.state.moved_out += moved as i64;
+                        return Err(e);
+                    }
+                };
+                self.state.moved_out += swapped.moved_out as i64;
+                self.state.swap_window_millis = swapped.window.map(|w| w.as_millis() as i64);
+                self.state.fenced_millis = swapped.fenced.map(|f| f.as_millis() as i64);
+                self.state.dropped_at_swap = Some(i64::from(swapped.dropped));
+                Ok(())
+            }
             MigrationPhase::Restoring => {
                 // A swap cut off before it lifted its fence left it up.
-                self.broker.management.delete_policy(self.vhost, &fence_name(queue)).await?;
+                lift_fences(self.broker, queue).await?;
                 self.reroute(holding, queue).await
             }
             MigrationPhase::Refilling => {
                 self.state.moved_back += self.drain(holding, queue).await?;
-                delete_emptied(self.broker, holding).await.map(drop)
+                // Recorded before the holding queue goes: once it has gone, only the record
+                // says that the consumers the swap cancelled are still to be restarted.
+                let done = format!("queue '{queue}' is now {}; its consumers are to be restarted", self.state.to);
+                self.record(MigrationPhase::RestartingConsumers, done).await?;
+                delete_holding(self.broker, queue).await
             }
             _ => Ok(()),
         }
     }
 
+    /// Puts the holding queue's policy up, then declares it: the policy applies from the
+    /// queue's first moment.
+    async fn hold(&self) -> Result<(), Error> {
+        let management = &self.broker.management;
+        let policies = management.policies(self.vhost, Duration::ZERO).await?;
+        let queue = &self.target.queue;
+        let current = management
+            .queue(self.vhost, queue)
+            .await?
+            .map(|q| Shape::of(&q))
+            .ok_or_else(|| Error::Failed(format!("queue '{queue}' is gone; the next pass looks again")))?;
+        let waiting = waiting_settings(&current, applying(queue, &current.queue_type, &policies));
+        management.put_policy(self.vhost, &holding_policy(queue, &waiting, above(&policies))).await?;
+        ensure_holding(self.broker, self.holding, self.target).await
+    }
+
+    /// Moves routes and messages back to the queue, which keeps its shape, and says why.
+    async fn unwind(&mut self, why: &Error) -> Result<(), Error> {
+        let (queue, holding) = (self.target.queue.as_str(), self.holding);
+        let message =
+            format!("moving the exchange routes and the messages back to '{queue}', which keeps its shape: {why}");
+        self.record(MigrationPhase::Restoring, message).await?;
+        lift_fences(self.broker, queue).await?;
+        self.reroute(holding, queue).await?;
+        self.state.moved_back += self.drain(holding, queue).await?;
+        delete_holding(self.broker, queue).await?;
+        self.state.finished_at = Some(Time(Timestamp::now()));
+        self.record(MigrationPhase::RolledBack, why.to_string()).await
+    }
+
     async fn drain(&self, from: &str, to: &str) -> Result<i64, Error> {
         let moved = AtomicU64::new(0);
-        let result = mover::drain(self.broker, from, to, &moved).await;
+        let how = Moving { first: false, stall: self.bounds.stall };
+        let result = mover::drain(self.broker, from, to, how, &moved).await;
         if result.is_err() {
             tracing::info!(%from, %to, moved = moved.load(Ordering::Relaxed), "move cut short; resumes next pass");
         }
@@ -161,7 +255,10 @@ impl<J: Journal> Step<'_, J> {
     }
 
     /// Binds `to` wherever either queue is bound from an exchange, then unbinds `from`: a
-    /// message routed meanwhile reaches one of them, or both (a duplicate, never a loss).
+    /// message routed meanwhile reaches one of them, or both (a duplicate, never a loss). The
+    /// unbinding names each binding by the broker's own key: its arguments, read back as JSON,
+    /// have lost their AMQP types (a short integer comes back as a long one) and would match
+    /// nothing.
     async fn reroute(&self, from: &str, to: &str) -> Result<(), Error> {
         let management = &self.broker.management;
         let mut routes = management.queue_bindings(self.vhost, from).await?;
@@ -178,122 +275,40 @@ impl<J: Journal> Step<'_, J> {
             ))
             .await?;
         }
-        for b in &routes {
-            match ch
-                .run(ch.queue_unbind(
-                    from.into(),
-                    b.source.as_str().into(),
-                    b.routing_key.as_str().into(),
-                    field_table(&b.arguments),
-                ))
-                .await
-            {
-                Ok(()) => {}
-                // The queue is gone, and its bindings with it.
-                Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => return Ok(()),
-                Err(e) => return Err(e.into()),
-            }
+        for b in routes.iter().filter(|b| b.destination == from) {
+            management.delete_queue_binding(self.vhost, &b.source, from, &b.properties_key).await?;
         }
         Ok(())
-    }
-
-    /// Deletes the emptied queue and declares it again with its new shape, back to back on one
-    /// channel. A publish through the default exchange in between is unroutable: the window is
-    /// measured. Messages that reached the old queue since it was drained are drained again.
-    async fn swap(&mut self) -> Result<(), Error> {
-        let queue = self.target.queue.as_str();
-        let current = self.broker.management.queue(self.vhost, queue).await?.map(|q| Shape::of(&q));
-        let raised = Instant::now();
-        let fenced = match current.as_ref().and_then(|c| fence(queue, c)) {
-            Some(policy) => {
-                self.raise_fence(&policy).await?;
-                true
-            }
-            None => false,
-        };
-        let swapped = self.swap_fenced(current.as_ref()).await;
-        if fenced {
-            let lifted = self.broker.management.delete_policy(self.vhost, &fence_name(queue)).await;
-            // The next pass lifts it (Restoring does, first) if this one could not.
-            match lifted {
-                Ok(()) => self.state.fenced_millis = Some(raised.elapsed().as_millis() as i64),
-                Err(e) => tracing::warn!(%queue, error = %e, "could not lift the swap's fence yet"),
-            }
-        }
-        swapped
-    }
-
-    /// Puts the fence up, above every other policy of the vhost. The management API answers
-    /// once the queue has been told (a message in its mailbox, or a command in its log, ahead of
-    /// any publish sent after the answer); the statistics that would show it lag by seconds, so
-    /// a short settle stands in for them, for a queue on another node.
-    async fn raise_fence(&self, policy: &PolicyInfo) -> Result<(), Error> {
-        let management = &self.broker.management;
-        // The fence must outrank every policy there is now, so no older list will do.
-        let others = management.policies(self.vhost, Duration::ZERO).await?;
-        let top = others.iter().filter(|p| p.name != policy.name).map(|p| p.priority).max().unwrap_or(0);
-        let policy = PolicyInfo { priority: policy.priority.max(top + 1), ..policy.clone() };
-        management.put_policy(self.vhost, &policy).await?;
-        tokio::time::sleep(FENCE_SETTLE).await;
-        Ok(())
-    }
-
-    async fn swap_fenced(&mut self, current: Option<&Shape>) -> Result<(), Error> {
-        let queue = self.target.queue.as_str();
-        let arguments = field_table(&self.target.declare_arguments());
-        let classic = current.is_none_or(|c| c.queue_type == "classic");
-        for _ in 0..SWAP_ATTEMPTS {
-            let ch = self.broker.amqp.channel().await?;
-            let ready = ready_on(&ch, queue).await?;
-            if !classic && ready > Some(0) {
-                self.state.moved_out += self.drain(queue, self.holding).await?;
-                continue;
-            }
-            // A refused passive declare closed its channel.
-            let ch = if ready.is_some() { ch } else { self.broker.amqp.channel().await? };
-            let started = Instant::now();
-            let delete = async {
-                if ready.is_none() {
-                    return Ok(0);
-                }
-                // Quorum queues refuse if-empty (with a connection-level error): their emptiness
-                // was read just before, and what the delete reports is counted.
-                let options = QueueDeleteOptions { if_empty: classic, ..Default::default() };
-                ch.queue_delete(queue.into(), options).await
-            };
-            let declare = ch.queue_declare(queue.into(), durable(), arguments.clone());
-            let both = tokio::time::timeout(OPERATION_TIMEOUT, async { futures::join!(delete, declare) });
-            let Ok((deleted, declared)) = both.await else {
-                return Err(Error::Failed(format!("no answer from the broker while swapping queue '{queue}'")));
-            };
-            let window = started.elapsed();
-            match (deleted, declared) {
-                (Ok(dropped), Ok(_)) => {
-                    self.state.swap_window_millis = Some(window.as_millis() as i64);
-                    self.state.dropped_at_swap = Some(i64::from(dropped));
-                    if dropped > 0 {
-                        tracing::warn!(%queue, dropped, "messages raced the swap of a quorum queue and were deleted with it");
-                    }
-                    return Ok(());
-                }
-                (Err(e), _) | (_, Err(e)) => match self.broker.amqp.classify(e) {
-                    // Not empty (messages arrived through the default exchange), or declared again
-                    // with its old shape by an application in between: drain it and try again.
-                    AmqpError::Refused(r) if r.code == PRECONDITION_FAILED => {
-                        tracing::info!(%queue, reason = %r, "queue not empty at the swap; draining it again");
-                        self.state.moved_out += self.drain(queue, self.holding).await?;
-                    }
-                    other => return Err(other.into()),
-                },
-            }
-        }
-        Err(Error::Failed(format!(
-            "queue '{queue}' kept receiving messages through the default exchange: it was not empty at {SWAP_ATTEMPTS} attempts to swap it; the next pass tries again"
-        )))
     }
 }
 
-/// Deletes a queue nothing routes to any more, once it is empty; a missing one is deleted.
+/// The policy that applies to a queue now, the migration's own aside.
+fn applying<'a>(queue: &str, queue_type: &str, policies: &'a [PolicyInfo]) -> Option<&'a PolicyInfo> {
+    let (matching, _) = settings::matching_policies(queue, queue_type, policies);
+    matching
+        .into_iter()
+        .find(|p| !p.name.starts_with("queueguard-fence.") && !p.name.starts_with("queueguard-holding."))
+}
+
+/// Takes down every fence of `queue`, this attempt's or an earlier one's.
+pub(super) async fn lift_fences(broker: &Broker, queue: &str) -> Result<(), Error> {
+    let vhost = broker.vhost();
+    let policies = broker.management.policies(vhost, Duration::ZERO).await?;
+    for fence in policies.iter().filter(|p| is_fence_of(p, queue)) {
+        broker.management.delete_policy(vhost, &fence.name).await?;
+    }
+    Ok(())
+}
+
+/// Deletes the holding queue of `queue` once empty (routes no longer lead there), then its
+/// policy.
+async fn delete_holding(broker: &Broker, queue: &str) -> Result<(), Error> {
+    delete_emptied(broker, &holding_name(queue)).await?;
+    broker.management.delete_policy(broker.vhost(), &holding_policy_name(queue)).await?;
+    Ok(())
+}
+
+/// Deletes a queue nothing routes to any more, once empty; a missing one is deleted.
 async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
     let ch = broker.amqp.channel().await?;
     let Some(ready) = ready_on(&ch, queue).await? else { return Ok(0) };
@@ -312,11 +327,21 @@ async fn delete_emptied(broker: &Broker, queue: &str) -> Result<u32, Error> {
     }
 }
 
+/// The argument of the holding queue that records the target's declare arguments (as JSON):
+/// the one record of the shape to declare when a swap was cut off after the deletion and
+/// nothing else remembers it (`queueguard migrate` keeps no journal). Brokers keep unknown
+/// arguments.
+const TARGET_ARGUMENT: &str = "x-queueguard-target";
+
 /// The holding queue: durable, of the target type (replicated when the target is quorum), with
-/// no limits, so nothing moved into it is dropped or dead-lettered. One left by a migration to
-/// another shape (the spec changed midway) is kept as it is: it holds messages.
+/// the target recorded. Its policy, put up before, decides everything else. One left by a
+/// migration to another shape (the spec changed midway) is kept as it is: it holds messages.
 async fn ensure_holding(broker: &Broker, holding: &str, target: &Target) -> Result<(), Error> {
-    let arguments = Map::from_iter([("x-queue-type".to_owned(), Value::from(target.queue_type.as_str()))]);
+    let recorded = Value::from(Value::Object(target.declare_arguments()).to_string());
+    let arguments = Map::from_iter([
+        ("x-queue-type".to_owned(), Value::from(target.queue_type.as_str())),
+        (TARGET_ARGUMENT.to_owned(), recorded),
+    ]);
     let ch = broker.amqp.channel().await?;
     // Declared outright (a passive look first would cost a refused channel every time): the
     // broker refuses it only where a holding queue of another shape exists.
@@ -333,20 +358,22 @@ fn describe(phase: MigrationPhase, queue: &str, holding: &str) -> String {
             format!("declaring holding queue '{holding}' and moving the exchange routes of '{queue}' to it")
         }
         MigrationPhase::Draining => format!("moving the messages of '{queue}' into '{holding}'"),
-        MigrationPhase::Swapping => format!("deleting the emptied '{queue}' and declaring it with its new shape"),
+        MigrationPhase::Swapping => format!(
+            "waiting until the consumers of '{queue}' hold no unacknowledged delivery, then deleting the emptied queue and declaring it with its new shape"
+        ),
         MigrationPhase::Restoring => format!("moving the exchange routes back from '{holding}' to '{queue}'"),
         MigrationPhase::Refilling => format!("moving the held messages back into '{queue}' and deleting '{holding}'"),
         other => other.as_str().to_owned(),
     }
 }
 
-fn durable() -> QueueDeclareOptions {
+pub(super) fn durable() -> QueueDeclareOptions {
     QueueDeclareOptions { durable: true, ..Default::default() }
 }
 
 /// Ready messages in a queue, by passive declare on `ch`; None when there is no such queue (the
 /// refusal closes `ch`).
-async fn ready_on(ch: &PooledChannel<'_>, queue: &str) -> Result<Option<u32>, Error> {
+pub(super) async fn ready_on(ch: &PooledChannel<'_>, queue: &str) -> Result<Option<u32>, Error> {
     match ch.run(ch.queue_declare(queue.into(), passive(), FieldTable::default())).await {
         Ok(q) => Ok(Some(q.message_count())),
         Err(AmqpError::Refused(r)) if r.code == NOT_FOUND => Ok(None),
@@ -388,7 +415,7 @@ fn amqp_value(v: &Value) -> AMQPValue {
 pub enum PolicyMigration {
     /// Both queues have their target shape.
     NotNeeded,
-    /// A queue was moved (the last one's state, phase RestartingConsumers, not recorded yet).
+    /// A queue was moved (the last one's state, phase RestartingConsumers, recorded).
     Moved(MigrationStatus),
     /// It cannot go on now: why, and the state to show (a refusal was recorded; a failure keeps
     /// the step it stopped at, for the next pass to resume).
@@ -402,12 +429,13 @@ pub async fn migrate_policy<J: Journal + Send>(
     plan: &QueuePlan,
     previous: Option<&MigrationStatus>,
     journal: &mut J,
+    bounds: &Bounds,
 ) -> Result<PolicyMigration, Error> {
     let mut tracked = Tracked { inner: journal, last: previous.cloned() };
     let mut moved = None;
     for target in [Target::of_dead_letter_queue(plan), Target::of_queue(plan)] {
         let resumed = tracked.last.clone();
-        match migrate(broker, &target, resumed.as_ref(), &mut tracked).await {
+        match migrate(broker, &target, resumed.as_ref(), &mut tracked, bounds).await {
             Ok(Ended::NotNeeded) => {}
             Ok(Ended::Moved(state)) => moved = Some(*state),
             Err(Error::Refused(why)) => {
@@ -425,6 +453,11 @@ pub async fn migrate_policy<J: Journal + Send>(
                 return Ok(PolicyMigration::Stopped(Check::failed(Reason::MigrationRefused, why), state));
             }
             Err(e @ Error::NotRecorded { .. }) => return Err(e),
+            // Unwound: the record says so, and why.
+            Err(e @ (Error::Unacknowledged { .. } | Error::Publishing { .. } | Error::Stalled { .. })) => {
+                let state = tracked.last.clone().unwrap_or_default();
+                return Ok(PolicyMigration::Stopped(Check::failed(Reason::MigrationRolledBack, e.to_string()), state));
+            }
             Err(e) => {
                 let mut state = tracked.last.clone().unwrap_or_default();
                 state.message = format!("stopped at {}: {e}; the next pass resumes it", state.phase.as_str());

@@ -75,36 +75,124 @@ fn resumes_at_the_earliest_step_the_broker_state_allows() {
     assert_eq!(at(Some(&new), true, MigrationPhase::Swapping), Resume::At(MigrationPhase::Restoring));
     assert_eq!(at(Some(&new), true, MigrationPhase::Refilling), Resume::At(MigrationPhase::Refilling));
     assert_eq!(at(Some(&new), false, MigrationPhase::Refilling), Resume::NotNeeded);
+    // Recorded before the holding queue is deleted: the deletion is still to do.
+    assert_eq!(at(Some(&new), true, MigrationPhase::RestartingConsumers), Resume::At(MigrationPhase::Refilling));
+}
+
+fn none() -> Surroundings<'static> {
+    Surroundings::default()
+}
+
+fn with_flags(flags: &[FeatureFlag]) -> Surroundings<'_> {
+    Surroundings { flags: Some(flags), ..Surroundings::default() }
+}
+
+fn policy(name: &str, pattern: &str, priority: i64, definition: Value) -> PolicyInfo {
+    PolicyInfo {
+        name: name.into(),
+        pattern: pattern.into(),
+        apply_to: "queues".into(),
+        priority,
+        definition: definition.as_object().cloned().unwrap(),
+    }
 }
 
 #[test]
 fn refusals_come_before_anything_is_touched() {
     let classic = shape("classic", json!({}));
     let quorum = target(QueueType::Quorum, json!({}));
-    assert_eq!(refusal(&classic, &quorum, Some(&flag("enabled"))), None);
-    assert_eq!(refusal(&classic, &quorum, None), None, "a broker without the listing has quorum queues (4.x)");
-    assert!(refusal(&classic, &quorum, Some(&flag("disabled"))).unwrap().contains("enable_feature_flag quorum_queue"));
+    assert_eq!(refusal(&classic, &quorum, &with_flags(&flag("enabled"))), None);
+    assert_eq!(refusal(&classic, &quorum, &none()), None, "a broker without the listing has quorum queues (4.x)");
+    let why = refusal(&classic, &quorum, &with_flags(&flag("disabled"))).unwrap();
+    assert!(why.contains("enable_feature_flag quorum_queue"));
 
     let priority = shape("classic", json!({"x-max-priority": 5}));
-    let why = refusal(&priority, &quorum, None).unwrap();
+    let why = refusal(&priority, &quorum, &none()).unwrap();
     assert!(why.contains("x-max-priority 5") && why.contains("quorum queues have no priorities"), "{why}");
-    let why = refusal(&priority, &target(QueueType::Classic, json!({"x-max-length": 3})), None).unwrap();
+    let why = refusal(&priority, &target(QueueType::Classic, json!({"x-max-length": 3})), &none()).unwrap();
     assert!(why.contains("no x-max-priority"), "{why}");
     assert_eq!(
-        refusal(&priority, &target(QueueType::Classic, json!({"x-max-priority": 5, "x-max-length": 3})), None),
+        refusal(&priority, &target(QueueType::Classic, json!({"x-max-priority": 5, "x-max-length": 3})), &none()),
         None
     );
 
     let dlx = target(QueueType::Quorum, json!({"x-overflow": "reject-publish-dlx", "x-max-length": 3}));
-    assert!(refusal(&classic, &dlx, None).unwrap().contains("reject-publish-dlx"));
+    assert!(refusal(&classic, &dlx, &none()).unwrap().contains("reject-publish-dlx"));
 
     let mut exclusive = classic.clone();
     exclusive.exclusive = true;
-    assert!(refusal(&exclusive, &quorum, None).unwrap().contains("exclusive"));
-    assert!(refusal(&shape("stream", json!({})), &quorum, None).unwrap().contains("stream"));
+    assert!(refusal(&exclusive, &quorum, &none()).unwrap().contains("exclusive"));
+    assert!(refusal(&shape("stream", json!({})), &quorum, &none()).unwrap().contains("stream"));
 
-    let long = Target { queue: "q".repeat(240), ..quorum };
-    assert!(refusal(&classic, &long, None).unwrap().contains("255 bytes"));
+    let long = Target { queue: "q".repeat(240), ..quorum.clone() };
+    assert!(refusal(&classic, &long, &none()).unwrap().contains("255 bytes"));
+}
+
+#[test]
+fn consumers_that_would_keep_the_mover_out_are_refused_up_front() {
+    let classic = shape("classic", json!({}));
+    let quorum = target(QueueType::Quorum, json!({}));
+    let consumer = |tag: &str, exclusive: bool| QueueConsumer { consumer_tag: tag.into(), exclusive };
+    let exclusive = [consumer("a", false), consumer("worker-1", true)];
+    let why = refusal(&classic, &quorum, &Surroundings { consumers: &exclusive, ..none() }).unwrap();
+    assert!(why.contains("exclusive consumer ('worker-1')"), "{why}");
+
+    let single = shape("classic", json!({"x-single-active-consumer": true}));
+    let attached = [consumer("a", false)];
+    let why = refusal(&single, &quorum, &Surroundings { consumers: &attached, ..none() }).unwrap();
+    assert!(why.contains("single active consumer"), "{why}");
+    assert_eq!(refusal(&single, &quorum, &none()), None, "with nobody attached it moves");
+    assert_eq!(refusal(&classic, &quorum, &Surroundings { consumers: &attached, ..none() }), None);
+}
+
+#[test]
+fn an_operator_policy_that_would_limit_the_holding_queue_is_refused() {
+    let classic = shape("classic", json!({}));
+    let quorum = target(QueueType::Quorum, json!({}));
+    let limits = [policy("cap", "^orders", 1, json!({"max-length": 5}))];
+    let why = refusal(&classic, &quorum, &Surroundings { operator_policies: &limits, ..none() }).unwrap();
+    assert!(why.contains("operator policy 'cap'") && why.contains("max-length 5"), "{why}");
+    let elsewhere = [policy("cap", "^payments$", 1, json!({"max-length": 5}))];
+    assert_eq!(refusal(&classic, &quorum, &Surroundings { operator_policies: &elsewhere, ..none() }), None);
+    let harmless = [policy("lazy", ".*", 1, json!({"queue-mode": "lazy"}))];
+    assert_eq!(refusal(&classic, &quorum, &Surroundings { operator_policies: &harmless, ..none() }), None);
+}
+
+#[test]
+fn messages_wait_in_the_holding_queue_as_they_would_in_the_queue() {
+    let declared = shape("classic", json!({"x-dead-letter-exchange": "mine", "x-message-ttl": 60000}));
+    let applying = policy(
+        "qg",
+        "^orders$",
+        100,
+        json!({"dead-letter-exchange": "theirs", "dead-letter-routing-key": "dead", "message-ttl": 1000, "max-length": 5}),
+    );
+    assert_eq!(
+        waiting_settings(&declared, Some(&applying)),
+        *json!({"dead-letter-exchange": "mine", "dead-letter-routing-key": "dead", "message-ttl": 1000})
+            .as_object()
+            .unwrap()
+    );
+    assert!(waiting_settings(&shape("classic", json!({})), None).is_empty());
+
+    let holding = holding_policy("orders.v2", &waiting_settings(&declared, None), 7);
+    assert_eq!(holding.pattern, "^orders\\.v2\\.queueguard\\-migrating$");
+    assert_eq!(holding.priority, 7);
+    assert_eq!(
+        holding.definition,
+        *json!({"dead-letter-exchange": "mine", "message-ttl": 60000, "overflow": "reject-publish"})
+            .as_object()
+            .unwrap()
+    );
+}
+
+#[test]
+fn the_migrations_own_policies_outrank_every_other() {
+    let policies = [policy("catch-all", ".*", 0, json!({})), policy("huge", "^a", 2_000_000_000, json!({}))];
+    assert_eq!(above(&policies), 2_000_000_001);
+    assert_eq!(above(&policies[..1]), 999_999_999);
+    let own = [policy("queueguard-fence.a@1", "^a$", 2_000_000_001, json!({}))];
+    assert_eq!(above(&own), 999_999_999, "an earlier fence is no rival");
 }
 
 #[test]
@@ -113,7 +201,7 @@ fn converting_leaves_behind_what_the_new_type_does_not_take() {
     let (t, dropped) = Target::converted("orders", &lazy, QueueType::Quorum);
     assert_eq!(dropped, ["x-queue-mode"]);
     assert_eq!(t.arguments, *json!({"x-max-length": 9, "x-max-priority": 3}).as_object().unwrap());
-    assert!(refusal(&lazy, &t, None).is_some(), "the priority is refused, not silently dropped");
+    assert!(refusal(&lazy, &t, &none()).is_some(), "the priority is refused, not silently dropped");
 
     let quorum = shape("quorum", json!({"x-delivery-limit": 5, "x-max-length": 9}));
     let (t, dropped) = Target::converted("orders", &quorum, QueueType::Classic);
@@ -122,12 +210,45 @@ fn converting_leaves_behind_what_the_new_type_does_not_take() {
 }
 
 #[test]
-fn the_fence_refuses_publishes_unless_a_declared_overflow_would_drop_instead() {
-    let fenced = fence("orders.v2", &shape("classic", json!({}))).unwrap();
-    assert_eq!(fenced.pattern, "^orders\\.v2$");
-    assert_eq!(fenced.definition, json!({"max-length": 0, "overflow": "reject-publish"}).as_object().unwrap().clone());
-    assert!(fence("q", &shape("quorum", json!({"x-overflow": "reject-publish-dlx"}))).is_some());
-    assert_eq!(fence("q", &shape("classic", json!({"x-overflow": "drop-head"}))), None);
+fn the_fence_refuses_publishes_in_two_steps_unless_a_declared_overflow_would_drop_instead() {
+    let waiting = json!({"dead-letter-exchange": "dlx"}).as_object().cloned().unwrap();
+    let fenced = fence("orders.v2", &shape("classic", json!({})), &waiting, 5, 42);
+    assert_eq!(fenced.ready.name, "queueguard-fence.orders.v2@42");
+    assert_eq!(fenced.ready.pattern, "^orders\\.v2$");
+    assert_eq!(fenced.ready.priority, 5);
+    assert_eq!(
+        fenced.ready.definition,
+        *json!({"dead-letter-exchange": "dlx", "overflow": "reject-publish"}).as_object().unwrap()
+    );
+    let closed = fenced.closed.unwrap();
+    assert_eq!(closed.name, fenced.ready.name);
+    assert_eq!(
+        closed.definition,
+        *json!({"dead-letter-exchange": "dlx", "max-length": 0, "overflow": "reject-publish"}).as_object().unwrap()
+    );
+    assert!(is_fence_of(&closed, "orders.v2") && !is_fence_of(&closed, "orders"));
+    let quorum = fence("q", &shape("quorum", json!({"x-overflow": "reject-publish-dlx"})), &Map::new(), 1, 1);
+    assert!(quorum.closed.is_some());
+    assert_eq!(fence("q", &shape("classic", json!({"x-overflow": "drop-head"})), &Map::new(), 1, 1).closed, None);
+}
+
+#[test]
+fn statistics_show_the_fence_once_emitted_with_it_in_force() {
+    let fenced = fence("q", &shape("classic", json!({})), &Map::new(), 5, 42);
+    let closed = fenced.closed.clone().unwrap();
+    let info = |policy: Option<&str>, effective: Value| -> QueueInfo {
+        serde_json::from_value(
+            json!({"name": "q", "vhost": "/", "policy": policy, "effective_policy_definition": effective}),
+        )
+        .unwrap()
+    };
+    assert!(!Fence::shown_in(&info(None, json!({})), &fenced.ready));
+    assert!(!Fence::shown_in(&info(Some("queueguard-fence.q@41"), json!({})), &fenced.ready), "an earlier attempt's");
+    let ready = info(Some("queueguard-fence.q@42"), json!({"overflow": "reject-publish"}));
+    assert!(Fence::shown_in(&ready, &fenced.ready));
+    assert!(!Fence::shown_in(&ready, &closed), "not closed yet");
+    let shut = info(Some("queueguard-fence.q@42"), json!({"overflow": "reject-publish", "max-length": 0}));
+    assert!(Fence::shown_in(&shut, &closed) && Fence::shown_in(&shut, &fenced.ready));
 }
 
 #[test]
@@ -135,7 +256,8 @@ fn the_plan_says_from_and_to_what_is_left_behind_and_the_steps() {
     let current = shape("classic", json!({"x-max-length": 10, "x-queue-mode": "lazy"}));
     let (target, dropped) = Target::converted("orders", &current, QueueType::Quorum);
     assert_eq!(dropped, ["x-queue-mode"]);
-    let text = plan_text("/", &current, &target, &dropped, None);
+    let bounds = Bounds::default();
+    let text = plan_text("/", &current, &target, &dropped, None, &bounds);
     assert!(
         text.starts_with(
             "queue 'orders' in vhost '/': classic {x-max-length: 10, x-queue-mode: lazy} → quorum {x-max-length: 10}\n"
@@ -143,11 +265,16 @@ fn the_plan_says_from_and_to_what_is_left_behind_and_the_steps() {
         "{text}"
     );
     assert!(text.contains("left behind (quorum queues do not take them): x-queue-mode"), "{text}");
-    assert!(text.contains("declare 'orders.queueguard-migrating' (quorum)"), "{text}");
+    assert!(text.contains("declare 'orders.queueguard-migrating' (quorum, under a policy of its own"), "{text}");
+    assert!(text.contains("hold no unacknowledged delivery") && text.contains("at most 60s"), "{text}");
+    assert!(text.contains("refuse publishes to 'orders' for a moment"), "{text}");
+    let drop_head = shape("classic", json!({"x-overflow": "drop-head", "x-max-length": 10}));
+    let (t, _) = Target::converted("orders", &drop_head, QueueType::Quorum);
+    assert!(plan_text("/", &drop_head, &t, &[], None, &bounds).contains("unfenced"));
     assert!(text.contains("restart the consumers"), "{text}");
 
-    let refused = plan_text("/", &current, &target, &dropped, Some("no"));
+    let refused = plan_text("/", &current, &target, &dropped, Some("no"), &bounds);
     assert!(refused.ends_with("  refused: no\n") && !refused.contains("declare"), "{refused}");
     let same = shape("quorum", json!({"x-max-length": 10}));
-    assert!(plan_text("/", &same, &target, &[], None).contains("nothing to do"));
+    assert!(plan_text("/", &same, &target, &[], None, &bounds).contains("nothing to do"));
 }

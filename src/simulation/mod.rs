@@ -274,7 +274,7 @@ async fn migrate(
     let mut figures = Migration::default();
     for plan in declared.iter_mut() {
         let target = demo_plan(&plan.queue, !quorum, true)?;
-        let state = match migrate_policy(broker, &target, None, &mut Told).await {
+        let state = match migrate_policy(broker, &target, None, &mut Told, &crate::migrate::Bounds::default()).await {
             Ok(PolicyMigration::Moved(state)) => state,
             Ok(PolicyMigration::NotNeeded) => return Err(format!("queue '{}' did not need to move", plan.queue)),
             Ok(PolicyMigration::Stopped(check, _)) => return Err(check.message),

@@ -24,6 +24,8 @@ pub struct Route {
     pub routing_key: String,
     /// Prefix of the message ids it publishes.
     pub tag: &'static str,
+    /// It stops publishing this long after it started (None: when told to).
+    pub stop_after: Option<Duration>,
 }
 
 #[derive(Default)]
@@ -130,6 +132,18 @@ impl Traffic {
         self.counts.published.lock().unwrap().len()
     }
 
+    /// Stops the publishers and returns the ids the broker confirmed (routed, not returned),
+    /// with the publishes it returned and refused; the consumers go on.
+    pub async fn stop_publishing(&mut self) -> (Vec<String>, u64, u64) {
+        self.publishing.store(false, Ordering::SeqCst);
+        for p in self.publishers.drain(..) {
+            p.await.unwrap();
+        }
+        let mut ids: Vec<String> = self.counts.published.lock().unwrap().keys().cloned().collect();
+        ids.sort();
+        (ids, self.counts.returned.load(Ordering::SeqCst), self.counts.refused.load(Ordering::SeqCst))
+    }
+
     /// Stops publishing, waits (up to `within`) until every published message was consumed,
     /// stops the consumers and counts.
     pub async fn finish(mut self, within: Duration) -> Tally {
@@ -172,7 +186,8 @@ impl Traffic {
 async fn publish(conn: Connection, route: Route, every: Duration, counts: Arc<Counts>, running: Arc<AtomicBool>) {
     let mut seq = 0u64;
     let mut ch: Option<Channel> = None;
-    while running.load(Ordering::SeqCst) {
+    let started = Instant::now();
+    while running.load(Ordering::SeqCst) && route.stop_after.is_none_or(|d| started.elapsed() < d) {
         if ch.as_ref().is_none_or(|c| !c.status().connected()) {
             let fresh = conn.create_channel().await.expect("publisher channel");
             fresh.confirm_select(ConfirmSelectOptions::default()).await.expect("confirms");
