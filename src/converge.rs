@@ -299,9 +299,9 @@ pub fn policy_failure(e: ManagementError) -> Check {
         ManagementError::InvalidCa(_) | ManagementError::Unaddressable(_) => {
             Check::failed(Reason::InvalidBrokerUri, e.to_string())
         }
-        ManagementError::Rejected { .. } | ManagementError::UnexpectedBody { .. } => {
-            Check::failed(Reason::PolicyRejected, e.to_string())
-        }
+        ManagementError::Rejected { .. }
+        | ManagementError::UnexpectedBody { .. }
+        | ManagementError::TooLarge { .. } => Check::failed(Reason::PolicyRejected, e.to_string()),
     }
 }
 

@@ -446,6 +446,26 @@ async fn a_vhost_holding_many_other_queues_is_listed_through_the_name_filter_one
     assert_eq!((names, requests), (["rpc.1", "rpc.2", "rpc.3", "wanted.a", "wanted.b"].map(String::from).to_vec(), 1));
     let (_, names, requests) = read(listing::Want::Queues(&["wanted.c"]), LISTING_MAX_AGE).await;
     assert_eq!((names.len(), names.contains(&"wanted.c".to_owned()), requests), (6, true, 1));
+    // Issue 31, 13. A pattern with an `x` flag (valid alone) would comment out the rest of the
+    // joined filter: the vhost is listed whole while it is wanted, and filtered again once its
+    // QueuePattern is gone.
+    let extended = r"(?x)^rpc\. # reply queues";
+    let (whole, names, _) = read(listing::Want::Pattern(extended), Duration::ZERO).await;
+    assert_eq!((whole.filter.is_none(), names.len()), (true, 1106), "listed whole, and read");
+    client.forget_pattern(&vhost, extended);
+    let (filtered, names, _) = read(listing::Want::Queues(POLICY), Duration::ZERO).await;
+    assert_eq!((filtered.filter.is_some(), names.len()), (true, 6), "filtered again: {names:?}");
+    // A filter the broker refuses (RabbitMQ 3.10's regex engine has no `u` flag; 4.0's takes it)
+    // falls back to the whole vhost instead of failing every reader of it.
+    let foreign = r"(?-u:^rpc\.)";
+    let url = format!("queues/{}?page=1&page_size=500&use_regex=true&name={}", enc(&vhost), enc(foreign));
+    let refused = common::mgmt_status(&url).await == 400;
+    let (listing, names, _) = read(listing::Want::Pattern(foreign), Duration::ZERO).await;
+    assert_eq!(listing.filter.is_none(), refused, "whole exactly when the broker refused the filter: {names:?}");
+    assert!(names.contains(&"rpc.1".to_owned()) && names.contains(&"wanted.a".to_owned()), "{names:?}");
+    let (again, _, requests) = read(listing::Want::Queues(POLICY), Duration::ZERO).await;
+    assert_eq!((again.filter.is_none(), requests), (refused, 1), "a refused filter is not sent again");
+    client.forget_pattern(&vhost, foreign);
     // A pattern matching more than a page: that listing falls back to the whole vhost, and so
     // does the next (by what it showed).
     let (grown, names, requests) = read(listing::Want::Pattern(r"^other\."), Duration::ZERO).await;

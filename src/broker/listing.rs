@@ -25,10 +25,22 @@ pub enum Want<'a> {
 
 /// Every queue of a vhost some reader asked for, so far. Names are kept after their policy
 /// goes: a stale name only lengthens the filter, and past [`MAX_FILTER`] the vhost is listed whole.
+/// A pattern goes when its QueuePattern does ([`Wanted::remove_pattern`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Wanted {
     names: BTreeSet<String>,
     patterns: BTreeSet<String>,
+}
+
+/// Whether a pattern can stand in the joined filter without changing how the rest reads. Each is
+/// valid alone (the broker took it in a policy), but the broker's regex engine reads an `x` flag
+/// as "comments from `#` to the end of the line", across the closing of the pattern's group: one
+/// such pattern turned the whole filter into a refused request, and every reader of the vhost's
+/// listing with it. A pattern that is not a valid regex here cannot be judged either.
+pub fn joinable(pattern: &str) -> bool {
+    static EXTENDED: std::sync::LazyLock<Regex> =
+        std::sync::LazyLock::new(|| Regex::new(r"\(\?[a-zA-Z-]*x").expect("a valid regex"));
+    Regex::new(pattern).is_ok() && !pattern.contains('#') && !pattern.contains('\n') && !EXTENDED.is_match(pattern)
 }
 
 impl Wanted {
@@ -47,6 +59,11 @@ impl Wanted {
             }
             Want::Pattern(_) => {}
         }
+    }
+
+    /// Forgets a pattern nobody reads any more.
+    pub fn remove_pattern(&mut self, pattern: &str) {
+        self.patterns.remove(pattern);
     }
 
     pub fn covers(&self, want: Want) -> bool {
@@ -85,12 +102,17 @@ pub struct Seen {
 /// The name filter for the next listing, or None to list the vhost whole: filtered only where
 /// the last listing showed many queues, the wanted ones fit one page with room to grow, and the
 /// filter is short enough for a URL.
-pub fn filter(wanted: &Wanted, last: Option<Seen>) -> Option<String> {
+/// A pattern that cannot stand in the joined filter ([`joinable`]), or a filter the broker
+/// refused (`refused`), lists the vhost whole.
+pub fn filter(wanted: &Wanted, last: Option<Seen>, refused: Option<&str>) -> Option<String> {
     let last = last?;
     if last.total <= FILTER_ABOVE || last.wanted > PAGE_SIZE / 2 {
         return None;
     }
-    Some(wanted.regex()).filter(|re| !re.is_empty() && re.len() <= MAX_FILTER)
+    if !wanted.patterns.iter().all(|p| joinable(p)) {
+        return None;
+    }
+    Some(wanted.regex()).filter(|re| !re.is_empty() && re.len() <= MAX_FILTER && Some(re.as_str()) != refused)
 }
 
 /// Escapes `text` for a regex (RabbitMQ's and this crate's alike).
@@ -133,14 +155,34 @@ mod tests {
     #[test]
     fn only_a_large_vhost_whose_wanted_queues_fit_a_page_is_filtered() {
         let w = wanted();
-        assert_eq!(filter(&w, None), None, "the first listing is whole: it shows how many there are");
-        assert_eq!(filter(&w, Some(Seen { total: FILTER_ABOVE, wanted: 3 })), None, "a small vhost");
-        assert_eq!(filter(&w, Some(Seen { total: 20_000, wanted: 3 })), Some(w.regex()));
-        assert_eq!(filter(&w, Some(Seen { total: 20_000, wanted: 400 })), None, "would not fit a page as it grows");
-        assert_eq!(filter(&Wanted::default(), Some(Seen { total: 20_000, wanted: 0 })), None, "nothing wanted yet");
+        assert_eq!(filter(&w, None, None), None, "the first listing is whole: it shows how many there are");
+        assert_eq!(filter(&w, Some(Seen { total: FILTER_ABOVE, wanted: 3 }), None), None, "a small vhost");
+        assert_eq!(filter(&w, Some(Seen { total: 20_000, wanted: 3 }), None), Some(w.regex()));
+        let many = Some(Seen { total: 20_000, wanted: 400 });
+        assert_eq!(filter(&w, many, None), None, "would not fit a page as it grows");
+        let nothing = Some(Seen { total: 20_000, wanted: 0 });
+        assert_eq!(filter(&Wanted::default(), nothing, None), None, "nothing wanted yet");
         let mut long = Wanted::default();
         let names: Vec<String> = (0..200).map(|i| format!("queue-with-a-long-name-{i}")).collect();
         long.add(Want::Queues(&names.iter().map(String::as_str).collect::<Vec<_>>()));
-        assert_eq!(filter(&long, Some(Seen { total: 20_000, wanted: 200 })), None, "too long for a URL");
+        assert_eq!(filter(&long, Some(Seen { total: 20_000, wanted: 200 }), None), None, "too long for a URL");
+    }
+
+    #[test]
+    fn a_pattern_that_would_change_how_the_others_read_lists_the_vhost_whole() {
+        let big = Some(Seen { total: 20_000, wanted: 3 });
+        for bad in ["(?x)^rpc # replies", "(?ix:^rpc)", "^a#b", "(unbalanced"] {
+            assert!(!joinable(bad), "{bad}");
+            let mut w = wanted();
+            w.add(Want::Pattern(bad));
+            assert_eq!(filter(&w, big, None), None, "{bad}");
+            w.remove_pattern(bad);
+            assert_eq!(filter(&w, big, None), Some(w.regex()), "its QueuePattern gone, {bad} is forgotten");
+        }
+        for good in ["^rpc\\.reply\\.", "(?i)^Orders", "^amq\\.gen-"] {
+            assert!(joinable(good), "{good}");
+        }
+        let w = wanted();
+        assert_eq!(filter(&w, big, Some(&w.regex())), None, "a filter the broker refused is not sent again");
     }
 }

@@ -34,6 +34,9 @@ pub enum ManagementError {
     /// A request answered 200 with a body that is not what the API documents.
     #[error("management API answered {what} with an unexpected body: {detail}")]
     UnexpectedBody { what: String, detail: String },
+    /// An answer larger than the operator reads ([`super::body::CAP`]).
+    #[error("management API at {endpoint} answered {what}: {detail}")]
+    TooLarge { endpoint: String, what: String, detail: String },
     /// `.` or `..` as a vhost or name: URL paths read them as dot segments, so the request
     /// would land on another path.
     #[error("{0:?} cannot be addressed through the management API: URL paths read it as a dot segment")]
@@ -290,6 +293,8 @@ pub struct ManagementClient {
     listings: Arc<tokio::sync::Mutex<ListingCache>>,
     /// Per vhost, every queue its listing's readers asked for.
     wanted: Arc<std::sync::Mutex<HashMap<String, Wanted>>>,
+    /// Per vhost, the last name filter the API refused: not sent again.
+    refused_filters: Arc<std::sync::Mutex<HashMap<String, String>>>,
     /// Whether rabbitmq_prometheus answers beside each node's management API.
     prometheus: Arc<std::sync::Mutex<prometheus::Detection>>,
     /// Requests sent to rabbitmq_prometheus, for the benchmarks.
@@ -320,6 +325,7 @@ impl ManagementClient {
             policies: Default::default(),
             listings: Default::default(),
             wanted: Default::default(),
+            refused_filters: Default::default(),
             prometheus: Arc::new(std::sync::Mutex::new(prometheus::Detection::Unknown)),
             prometheus_requests: Default::default(),
             current: Default::default(),
@@ -434,7 +440,8 @@ impl ManagementClient {
         let wanted = lock(&self.wanted).get(vhost).cloned().unwrap_or_default();
         let read_at = std::time::Instant::now();
         let read_at_ms = crate::consumers::tracker::now_ms();
-        let filter = listing::filter(&wanted, cache.get(vhost).map(|l| l.seen));
+        let refused = lock(&self.refused_filters).get(vhost).cloned();
+        let filter = listing::filter(&wanted, cache.get(vhost).map(|l| l.seen), refused.as_deref());
         let counters = self.prometheus_counters(vhost).await;
         let columns = match counters {
             Some(_) => format!("disable_stats=true&columns={BARE_COLUMNS}"),
@@ -474,19 +481,40 @@ impl ManagementClient {
         filter: Option<&str>,
         wanted: &Wanted,
     ) -> Result<(Vec<QueueInfo>, Seen, bool), ManagementError> {
-        if let Some(re) = filter {
-            let re: String = url::form_urlencoded::byte_serialize(re.as_bytes()).collect();
+        if let Some(filter) = filter {
+            let re: String = url::form_urlencoded::byte_serialize(filter.as_bytes()).collect();
             let query = format!("page=1&page_size={}&use_regex=true&name={re}&{columns}", listing::PAGE_SIZE);
-            let page: QueuePage = self.get_query(&["queues", vhost], &query).await?.unwrap_or_default();
-            if page.page_count <= 1 {
-                let seen = Seen { total: page.total_count, wanted: page.filtered_count };
-                return Ok((page.items, seen, true));
+            match self.get_query::<QueuePage>(&["queues", vhost], &query).await {
+                Ok(page) => {
+                    let page = page.unwrap_or_default();
+                    if page.page_count <= 1 {
+                        let seen = Seen { total: page.total_count, wanted: page.filtered_count };
+                        return Ok((page.items, seen, true));
+                    }
+                    // Grown past a page: the whole vhost, this time and (by what it shows) next.
+                }
+                // A filter the API refuses would fail every reader of the vhost: list it whole,
+                // and say so once.
+                Err(ManagementError::Rejected { status, reason, .. }) => {
+                    tracing::warn!(
+                        %vhost, status, %reason, filter,
+                        "the management API refused the queue listing's name filter; listing the vhost whole"
+                    );
+                    lock(&self.refused_filters).insert(vhost.to_owned(), filter.to_owned());
+                }
+                Err(e) => return Err(e),
             }
-            // Grown past a page: the whole vhost, this time and (by what it shows) next.
         }
         let rows: Vec<QueueInfo> = self.get_query(&["queues", vhost], columns).await?.unwrap_or_default();
         let seen = Seen { total: rows.len(), wanted: wanted.count_in(rows.iter().map(|q| q.name.as_str())) };
         Ok((rows, seen, false))
+    }
+
+    /// Forgets a QueuePattern's regex for the vhost's listing (its QueuePattern is gone).
+    pub fn forget_pattern(&self, vhost: &str, pattern: &str) {
+        if let Some(wanted) = lock(&self.wanted).get_mut(vhost) {
+            wanted.remove_pattern(pattern);
+        }
     }
 
     /// When queue `name` last had activity, if it is idle: from the statistics of a one-queue page
@@ -728,9 +756,13 @@ impl ManagementClient {
         };
         let response = request.send().await.map_err(failed)?;
         let status = response.status();
-        let bytes = response.bytes().await.map_err(failed)?;
+        let bytes = match super::body::read(response, super::body::CAP).await {
+            Ok(bytes) => bytes,
+            Err(super::body::BodyError::Read(e)) => return Err(failed(e)),
+            Err(e) => return Err(ManagementError::TooLarge { endpoint: self.display(), what, detail: e.to_string() }),
+        };
         match status {
-            s if s.is_success() => Ok(Some(bytes.to_vec())),
+            s if s.is_success() => Ok(Some(bytes)),
             // Absent, for a read or a delete. A write that finds no path (a vhost that does
             // not exist) did not happen.
             StatusCode::NOT_FOUND if !creates => Ok(None),

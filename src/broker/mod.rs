@@ -2,6 +2,7 @@
 //! queue details). Adapters only; decisions live in [`crate::settings`] and [`crate::converge`].
 
 pub mod amqp;
+pub mod body;
 pub mod listing;
 pub mod management;
 pub mod prometheus;

@@ -110,7 +110,8 @@ pub async fn scrape(
     if !answer.status().is_success() {
         return Err(format!("{node}: HTTP {}", answer.status()));
     }
-    let text = answer.text().await.map_err(|e| format!("{node}: {e}"))?;
+    let body = super::body::read(answer, super::body::CAP).await.map_err(|e| format!("{node}: {e}"))?;
+    let text = String::from_utf8_lossy(&body);
     let samples = parse(&text);
     let theirs = samples
         .iter()

@@ -100,10 +100,19 @@ async fn cleanup(p: &QueuePattern, ctx: &PatternContext) -> Result<Action, Error
     let Ok(plan) = pattern::plan(p, ctx.shared.limits) else { return Ok(Action::await_change()) };
     let ns = p.namespace().unwrap_or_else(|| "default".into());
     let note = match broker_from_source(&ctx.shared, &ns, &plan.broker, plan.vhost.as_deref()).await? {
-        Ok(broker) => match remove_policy(&plan, &broker).await {
-            Ok(()) => format!("policy '{}' removed; the matching queues stay, without its expiry", plan.policy_name),
-            Err(e) => return Err(Error::DeletionBlocked(format!("removing policy '{}': {e}", plan.policy_name))),
-        },
+        Ok(broker) => {
+            // Its regex leaves the vhost's listing filter (a pattern with the same regex adds it
+            // back at its next read).
+            broker.management.forget_pattern(broker.vhost(), &plan.pattern);
+            match remove_policy(&plan, &broker).await {
+                Ok(()) => {
+                    format!("policy '{}' removed; the matching queues stay, without its expiry", plan.policy_name)
+                }
+                Err(e) => {
+                    return Err(Error::DeletionBlocked(format!("removing policy '{}': {e}", plan.policy_name)));
+                }
+            }
+        }
         Err(check) => format!("policy '{}' left on the broker: {}", plan.policy_name, check.message),
     };
     publish_for(

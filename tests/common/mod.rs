@@ -169,6 +169,12 @@ pub async fn mgmt_get(path: &str) -> Option<Value> {
     Some(r.json().await.unwrap())
 }
 
+/// The HTTP status of GET /api/<path>.
+pub async fn mgmt_status(path: &str) -> u16 {
+    let r = http().get(format!("{}/api/{path}", management_base())).basic_auth("guest", Some("guest")).send().await;
+    r.unwrap().status().as_u16()
+}
+
 pub async fn mgmt_put(path: &str, body: Value) {
     let r = http()
         .put(format!("{}/api/{path}", management_base()))
