@@ -5,10 +5,10 @@ use crate::{
     broker::{Broker, BrokerCredentials, BrokerPool},
     broker_source::BrokerSource,
     converge::{self, Mode},
-    crd::{MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
+    crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
     migrate::{
         Bounds,
-        run::{Journal, PolicyMigration, completed, migrate_policy},
+        run::{Journal, PolicyMigration, completed, midway, migrate_policy, settle_recorded},
     },
     pass,
     plan::{self, Limits, QueuePlan},
@@ -133,7 +133,7 @@ pub async fn apply(
                     Ok(broker) => {
                         let migration = match plan.on_change {
                             OnChange::Migrate => migrated(&plan, &broker, policy.status.as_ref()).await,
-                            OnChange::Refuse => Ok(None),
+                            OnChange::Refuse => settled(&plan, &broker, policy.status.as_ref()).await,
                         };
                         match migration {
                             Err((check, state)) => {
@@ -173,6 +173,21 @@ async fn migrated(
         Ok(PolicyMigration::Moved(state)) => Ok(Some(completed(state, None))),
         Ok(PolicyMigration::Stopped(check, state)) => Err((check, state)),
         Err(e) => Err((Check::failed(Reason::MigrationFailed, e.to_string()), previous.cloned().unwrap_or_default())),
+    }
+}
+
+/// onChange no longer says Migrate while the input's status records a migration midway: it is
+/// settled ([`settle_recorded`]); nobody restarts the consumers a swap cancelled.
+async fn settled(
+    plan: &QueuePlan,
+    broker: &Broker,
+    status: Option<&QueuePolicyStatus>,
+) -> Result<Option<MigrationStatus>, (Check, MigrationStatus)> {
+    let Some(m) = status.and_then(|s| s.migration.as_ref()).filter(|m| midway(m)) else { return Ok(None) };
+    match settle_recorded(broker, plan, m, "onChange no longer says Migrate").await {
+        Ok(state) if state.phase == MigrationPhase::RestartingConsumers => Ok(Some(completed(state, None))),
+        Ok(state) => Ok(Some(state)),
+        Err(e) => Err((Check::failed(Reason::MigrationFailed, e.to_string()), m.clone())),
     }
 }
 

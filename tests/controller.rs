@@ -1582,3 +1582,100 @@ async fn a_queue_a_topology_operator_queue_declares_is_left_alone_and_with_adopt
     assert_eq!(q["arguments"], json!({"x-queue-type": "quorum", "x-max-length": 1000}), "their arguments, untouched");
     common::delete_queues(&[&name]).await;
 }
+
+// --- Migrations left midway (issue 31, 7) ----------------------------------------------------
+
+/// Stops a migration at the record of `stop_at`, as an operator killed right then.
+struct StopAt(queueguard::crd::MigrationPhase, Option<queueguard::crd::MigrationStatus>);
+
+impl queueguard::migrate::run::Journal for StopAt {
+    async fn record(&mut self, state: &queueguard::crd::MigrationStatus) -> Result<(), String> {
+        if state.phase == self.0 {
+            return Err("the operator went away".into());
+        }
+        self.1 = Some(state.clone());
+        Ok(())
+    }
+}
+
+/// A classic queue of policy `name` with 100 messages and an exchange route, left midway into
+/// a migration to quorum (routes and messages in the holding queue); its last recorded state.
+async fn left_midway(name: &str) -> (String, Value) {
+    let before = policy_doc(name, "queue: {type: classic}");
+    let after = policy_doc(name, "queue: {type: quorum, onChange: Migrate}");
+    declared(&before).await;
+    let exchange = unique("ctrl-midway-x");
+    let (_conn, ch) = app().await;
+    ch.exchange_declare(exchange.as_str().into(), lapin::ExchangeKind::Direct, Default::default(), Default::default())
+        .await
+        .unwrap();
+    ch.queue_bind(name.into(), exchange.as_str().into(), "k".into(), Default::default(), Default::default())
+        .await
+        .unwrap();
+    publish(name, (0..100).map(|i| format!("m-{i}"))).await;
+    let pool = queueguard::broker::BrokerPool::new(unique("conn"));
+    let b = broker(&pool, &plan_of(&after));
+    let target = queueguard::migrate::Target::of_queue(&plan_of(&after));
+    let mut journal = StopAt(queueguard::crd::MigrationPhase::Swapping, None);
+    let stopped = queueguard::migrate::run::migrate(&b, &target, None, &mut journal, &Default::default()).await;
+    assert!(stopped.is_err(), "stopped midway");
+    assert_eq!(counts(&format!("{name}.queueguard-migrating")).await, Some((100, 0)), "held midway");
+    (exchange, json!({"migration": journal.1.unwrap()}))
+}
+
+async fn settled_on_broker(name: &str, exchange: &str) {
+    assert_eq!(counts(&format!("{name}.queueguard-migrating")).await, None, "the holding queue is gone");
+    assert_eq!(counts(name).await, Some((100, 0)), "the messages are back");
+    let bindings = mgmt_get(&format!("queues/%2F/{}/bindings", enc(name))).await.unwrap();
+    assert!(bindings.as_array().unwrap().iter().any(|b| b["source"] == exchange), "the route is back: {bindings}");
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(name))).await.unwrap();
+    assert_eq!(q["type"], "classic", "it keeps its shape");
+}
+
+#[tokio::test]
+async fn a_migration_left_midway_when_on_change_goes_back_to_refuse_is_rolled_back() {
+    let name = unique("ctrl-midway-refuse");
+    let (exchange, status) = left_midway(&name).await;
+    let mut p = with_finalizer(policy_doc(&name, "queue: {type: quorum}"));
+    p.status = Some(serde_json::from_value(status).unwrap());
+    let (ctx, api) = harness();
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let echo = serde_json::to_value(&p).unwrap();
+    let server = tokio::spawn(serve_migration_pass(api, echo, name.clone(), true, finished));
+    run(p.clone(), ctx).await.unwrap();
+    done.send(()).unwrap();
+    let pass = server.await.unwrap();
+    let status = pass.statuses.last().unwrap();
+    let m = &status["migration"];
+    assert_eq!(m["phase"], "RolledBack", "{m}");
+    assert!(m["message"].as_str().unwrap().contains("onChange no longer says Migrate"), "{m}");
+    assert_eq!(condition(status, "Migrating")["reason"], "MigrationRolledBack");
+    assert!(pass.events.contains(&"MigrationRolledBack".to_owned()), "{:?}", pass.events);
+    settled_on_broker(&name, &exchange).await;
+    remove_all(&plan_of(&p)).await;
+}
+
+#[tokio::test]
+async fn deleting_a_policy_midway_through_a_migration_settles_it_before_the_finalizer_goes() {
+    let name = unique("ctrl-midway-delete");
+    let (exchange, status) = left_midway(&name).await;
+    let mut p = with_finalizer(policy_doc(&name, "queue: {type: quorum, onChange: Migrate}"));
+    p.status = Some(serde_json::from_value(status).unwrap());
+    p.metadata.deletion_timestamp =
+        Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()));
+    let (ctx, mut api) = harness();
+    let (n, echo) = (name.clone(), serde_json::to_value(&p).unwrap());
+    let server = tokio::spawn(async move {
+        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
+        let event = api.expect_event("MigrationRolledBack", "Warning").await;
+        assert!(event["note"].as_str().unwrap().contains("moved back into it before the policy goes: done"), "{event}");
+        api.expect_event("QueueRetained", "Normal").await;
+        let call = api.expect("PATCH", &format!("{POLICIES}/{n}")).await;
+        assert!(call.body.as_array().unwrap().iter().any(|op| op["op"] == "remove"), "{}", call.body);
+        call.respond(StatusCode::OK, &echo.clone());
+    });
+    assert_eq!(run(p.clone(), ctx).await.unwrap(), Action::await_change());
+    server.await.unwrap();
+    settled_on_broker(&name, &exchange).await;
+    remove_all(&plan_of(&p)).await;
+}

@@ -899,3 +899,45 @@ async fn the_migrate_command_resumes_a_swap_cut_off_after_the_deletion() {
     assert!(missing(&ids, &[&held]).is_empty(), "{held:?}");
     remove_all(&after).await;
 }
+
+/// Issue 31, 7: a migration left midway (its policy deleted, or no longer saying Migrate) is
+/// settled: routes and messages back in the queue, its holding queue and any fence gone, and a
+/// queue the swap had deleted declared again.
+#[tokio::test]
+async fn a_migration_left_midway_is_settled_with_nothing_lost() {
+    for stop_at in [MigrationPhase::Draining, MigrationPhase::Swapping] {
+        let name = unique("migrate-abandoned");
+        let (before, after, b) = declared(&name, "{type: classic}", "{type: quorum, onChange: Migrate}").await;
+        let queue = before.queue.clone();
+        let exchange = exchange_bound_to(&queue).await;
+        let ids: Vec<String> = (0..200).map(|i| format!("A-{i}")).collect();
+        preload(&queue, &ids).await;
+        let target = Target::of_queue(&after);
+        let mut first = Recorder { stop_at: Some(stop_at), ..Default::default() };
+        assert!(migrate(&b, &target, None, &mut first, &Bounds::default()).await.is_err());
+        assert!(counts(&migrate::holding_name(&queue)).await.is_some(), "left with a holding queue");
+        if stop_at == MigrationPhase::Swapping {
+            // Cut off inside the swap: its fence up, the queue deleted.
+            let fence = migrate::fence(
+                &queue,
+                &migrate::Shape::of(&b.management.queue("/", &queue).await.unwrap().unwrap()),
+                &Default::default(),
+                5,
+                1,
+            );
+            b.management.put_policy("/", fence.closed.as_ref().unwrap()).await.unwrap();
+            delete_queues(&[&queue]).await;
+        }
+        let settled = migrate::run::settle_abandoned(&b, &queue, None, &Bounds::default()).await.unwrap();
+        assert!(settled, "{stop_at:?}");
+        assert_eq!(exchange_sources(&queue).await, [(exchange.clone(), "work".to_owned())], "{stop_at:?}");
+        assert_eq!(counts(&migrate::holding_name(&queue)).await, None, "{stop_at:?}");
+        assert!(fences_of(&queue).await.is_empty(), "{stop_at:?}");
+        let expected = if stop_at == MigrationPhase::Swapping { "quorum" } else { "classic" };
+        assert_eq!(queue_type(&queue).await, expected, "{stop_at:?}: declared from the recorded target");
+        let held = take_all(&queue).await;
+        assert!(missing(&ids, &[&held]).is_empty(), "{stop_at:?}: {} of {}", held.len(), ids.len());
+        assert!(!migrate::run::settle_abandoned(&b, &queue, None, &Bounds::default()).await.unwrap(), "nothing left");
+        remove_all(&after).await;
+    }
+}

@@ -13,7 +13,7 @@ use crate::{
     metrics::PolicyLabels,
     migrate::{
         Bounds,
-        run::{Journal, PolicyMigration, completed, migrate_policy},
+        run::{Journal, PolicyMigration, completed, midway, migrate_policy, settle_recorded},
     },
     names::RESTARTED_AT,
     plan::QueuePlan,
@@ -36,7 +36,7 @@ use std::sync::Arc;
 pub(super) enum Migrated {
     /// Nothing under way: converge as usual (the migration, if any, as status says).
     Idle,
-    /// It finished in this pass.
+    /// It finished in this pass, or one left midway (onChange no longer Migrate) was settled.
     Completed(MigrationStatus),
     /// It cannot go on now: the queue is left to the next pass (or to a changed spec).
     Stopped(Check, MigrationStatus),
@@ -101,12 +101,17 @@ pub(super) async fn run(
 ) -> Result<Migrated, Error> {
     let recorded = previous.and_then(|s| s.migration.as_ref());
     let restart_pending = recorded.filter(|m| m.phase == MigrationPhase::RestartingConsumers);
-    if plan.on_change != OnChange::Migrate && restart_pending.is_none() {
-        return Ok(Migrated::Idle);
-    }
     let mut journal = StatusJournal { policy, stored: previous.cloned(), ctx, tracker, vhost: broker.vhost() };
     let mut moved = restart_pending.cloned();
-    if plan.on_change == OnChange::Migrate {
+    if plan.on_change != OnChange::Migrate && restart_pending.is_none() {
+        let Some(m) = recorded.filter(|m| midway(m)) else { return Ok(Migrated::Idle) };
+        match settle(m, plan, broker, &mut journal).await? {
+            Migrated::Completed(swapped) if swapped.phase == MigrationPhase::RestartingConsumers => {
+                moved = Some(swapped);
+            }
+            other => return Ok(other),
+        }
+    } else if plan.on_change == OnChange::Migrate {
         match migrate_policy(broker, plan, recorded, &mut journal, &Bounds::default()).await {
             Ok(PolicyMigration::NotNeeded) => {}
             Ok(PolicyMigration::Moved(state)) => moved = Some(state),
@@ -138,6 +143,27 @@ pub(super) async fn run(
     let state = completed(state, restarted.as_deref());
     journal.write(&state).await?;
     Ok(Migrated::Completed(state))
+}
+
+/// onChange no longer says Migrate while a migration is midway: it is settled
+/// ([`settle_recorded`]) and the state recorded.
+async fn settle(
+    m: &MigrationStatus,
+    plan: &QueuePlan,
+    broker: &Broker,
+    journal: &mut StatusJournal<'_>,
+) -> Result<Migrated, Error> {
+    match settle_recorded(broker, plan, m, "onChange no longer says Migrate").await {
+        Ok(state) => {
+            journal.write(&state).await?;
+            Ok(Migrated::Completed(state))
+        }
+        Err(e) => {
+            let why =
+                format!("onChange no longer says Migrate, and the migration left midway could not be settled yet: {e}");
+            Ok(Migrated::Stopped(Check::failed(Reason::MigrationFailed, why), m.clone()))
+        }
+    }
 }
 
 /// The migration's start as status holds it (whole seconds): a resumed pass reads it back from

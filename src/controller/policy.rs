@@ -19,6 +19,10 @@ use crate::{
     findings,
     gate::index::{ObjectKey, Unbound},
     metrics::PolicyLabels,
+    migrate::{
+        Bounds, Target,
+        run::{midway, settle_policy},
+    },
     pass,
     plan::{self, QueuePlan},
     status::{Check, Outcome, Reason, next_status},
@@ -290,6 +294,9 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
         // Never declared anything from an invalid spec: nothing to clean.
         Err(_) => return Ok(Action::await_change()),
     };
+    if let Some(m) = policy.status.as_ref().and_then(|s| s.migration.as_ref()).filter(|m| midway(m)) {
+        settle_midway(policy, &plan, m, ctx).await?;
+    }
     if plan.deletion == DeletionPolicy::Retain {
         let note = format!(
             "queue '{}' and its settings stay on the broker (deletionPolicy Retain); x-expires removes it once unused",
@@ -352,6 +359,51 @@ async fn cleanup(policy: &QueuePolicy, ctx: &Context) -> Result<Action, Error> {
                 policy.metadata.generation,
                 Timestamp::now(),
             );
+            write_policy_status(policy, policy.status.as_ref(), status, ctx).await?;
+            Err(Error::DeletionBlocked(check.message))
+        }
+    }
+}
+
+/// A migration left midway by the policy's deletion is settled before the finalizer goes: routes
+/// and messages back in the queue, whatever shape it has, and no fence left. Until it can be,
+/// the deletion waits and says why.
+async fn settle_midway(
+    policy: &QueuePolicy,
+    plan: &QueuePlan,
+    m: &crate::crd::MigrationStatus,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let midway = format!(
+        "the migration of queue '{}' is midway ({}): its routes and messages are moved back into it before the policy goes",
+        m.queue,
+        m.phase.as_str()
+    );
+    let settled = match broker_of_policy(policy, plan, ctx).await? {
+        Ok(broker) => {
+            let queues = [Target::of_dead_letter_queue(plan), Target::of_queue(plan)];
+            settle_policy(&broker, &queues, &Bounds::default()).await.map_err(|e| format!("{midway}, and: {e}"))
+        }
+        Err(check) => Err(format!("{midway}, and: {}", check.message)),
+    };
+    match settled {
+        Ok(true) => {
+            let note =
+                format!("{midway}: done; it keeps the shape it has (the deletion stopped the migration to {})", m.to);
+            let event = EventSpec {
+                warning: true,
+                reason: EventReason::Condition(Reason::MigrationRolledBack),
+                action: "Cleanup",
+                note,
+            };
+            publish_for(policy, &ctx.shared, &event).await;
+            Ok(())
+        }
+        Ok(false) => Ok(()),
+        Err(why) => {
+            let check = Check::failed(Reason::DeletionBlocked, why);
+            let outcome = Outcome::blocked(check.clone());
+            let status = next_status(policy.status.as_ref(), &outcome, policy.metadata.generation, Timestamp::now());
             write_policy_status(policy, policy.status.as_ref(), status, ctx).await?;
             Err(Error::DeletionBlocked(check.message))
         }

@@ -245,41 +245,86 @@ impl<J: Journal> Step<'_, J> {
     }
 
     async fn drain(&self, from: &str, to: &str) -> Result<i64, Error> {
-        let moved = AtomicU64::new(0);
-        let how = Moving { first: false, stall: self.bounds.stall };
-        let result = mover::drain(self.broker, from, to, how, &moved).await;
-        if result.is_err() {
-            tracing::info!(%from, %to, moved = moved.load(Ordering::Relaxed), "move cut short; resumes next pass");
-        }
-        result.map(|n| n as i64)
+        drain(self.broker, from, to, self.bounds).await
     }
 
-    /// Binds `to` wherever either queue is bound from an exchange, then unbinds `from`: a
-    /// message routed meanwhile reaches one of them, or both (a duplicate, never a loss). The
-    /// unbinding names each binding by the broker's own key: its arguments, read back as JSON,
-    /// have lost their AMQP types (a short integer comes back as a long one) and would match
-    /// nothing.
     async fn reroute(&self, from: &str, to: &str) -> Result<(), Error> {
-        let management = &self.broker.management;
-        let mut routes = management.queue_bindings(self.vhost, from).await?;
-        routes.extend(management.queue_bindings(self.vhost, to).await?);
-        routes.retain(|b| !b.source.is_empty());
-        let ch = self.broker.amqp.channel().await?;
-        for b in &routes {
-            ch.run(ch.queue_bind(
-                to.into(),
-                b.source.as_str().into(),
-                b.routing_key.as_str().into(),
-                QueueBindOptions::default(),
-                field_table(&b.arguments),
-            ))
-            .await?;
-        }
-        for b in routes.iter().filter(|b| b.destination == from) {
-            management.delete_queue_binding(self.vhost, &b.source, from, &b.properties_key).await?;
-        }
-        Ok(())
+        reroute(self.broker, from, to).await
     }
+}
+
+async fn drain(broker: &Broker, from: &str, to: &str, bounds: &Bounds) -> Result<i64, Error> {
+    let moved = AtomicU64::new(0);
+    let how = Moving { first: false, stall: bounds.stall };
+    let result = mover::drain(broker, from, to, how, &moved).await;
+    if result.is_err() {
+        tracing::info!(%from, %to, moved = moved.load(Ordering::Relaxed), "move cut short; resumes next pass");
+    }
+    result.map(|n| n as i64)
+}
+
+/// Binds `to` wherever either queue is bound from an exchange, then unbinds `from`: a message
+/// routed meanwhile reaches one of them, or both (a duplicate, never a loss). The unbinding
+/// names each binding by the broker's own key: its arguments, read back as JSON, have lost their
+/// AMQP types (a short integer comes back as a long one) and would match nothing.
+async fn reroute(broker: &Broker, from: &str, to: &str) -> Result<(), Error> {
+    let (management, vhost) = (&broker.management, broker.vhost());
+    let mut routes = management.queue_bindings(vhost, from).await?;
+    routes.extend(management.queue_bindings(vhost, to).await?);
+    routes.retain(|b| !b.source.is_empty());
+    let ch = broker.amqp.channel().await?;
+    for b in &routes {
+        ch.run(ch.queue_bind(
+            to.into(),
+            b.source.as_str().into(),
+            b.routing_key.as_str().into(),
+            QueueBindOptions::default(),
+            field_table(&b.arguments),
+        ))
+        .await?;
+    }
+    for b in routes.iter().filter(|b| b.destination == from) {
+        management.delete_queue_binding(vhost, &b.source, from, &b.properties_key).await?;
+    }
+    Ok(())
+}
+
+/// Brings a migration of `queue` left midway (its QueuePolicy deleted, or no longer saying
+/// Migrate) to rest, losing nothing: its fences lifted, a queue the swap deleted declared again
+/// (with the target recorded on its holding queue, else `fallback`), and routes and messages
+/// moved back from the holding queue into the queue, whatever shape it has now. Returns whether
+/// there was anything to settle.
+pub async fn settle_abandoned(
+    broker: &Broker,
+    queue: &str,
+    fallback: Option<&Target>,
+    bounds: &Bounds,
+) -> Result<bool, Error> {
+    let vhost = broker.vhost();
+    let holding = holding_name(queue);
+    let held = broker.management.queue(vhost, &holding).await?.is_some();
+    let policies = broker.management.policies(vhost, Duration::ZERO).await?;
+    if !held && !policies.iter().any(|p| is_fence_of(p, queue)) {
+        return Ok(false);
+    }
+    lift_fences(broker, queue).await?;
+    if held {
+        if broker.management.queue(vhost, queue).await?.is_none() {
+            let target = match recorded_target(broker, queue).await? {
+                Some(target) => target,
+                None => fallback.cloned().ok_or_else(|| {
+                    Error::Failed(format!(
+                        "queue '{queue}' is missing and its holding queue records no shape to declare it with"
+                    ))
+                })?,
+            };
+            swap::declare(broker, &target).await?;
+        }
+        reroute(broker, &holding, queue).await?;
+        drain(broker, &holding, queue, bounds).await?;
+        delete_holding(broker, queue).await?;
+    }
+    Ok(true)
 }
 
 /// The policy that applies to a queue now, the migration's own aside.
@@ -466,6 +511,52 @@ pub async fn migrate_policy<J: Journal + Send>(
         }
     }
     Ok(moved.map_or(PolicyMigration::NotNeeded, PolicyMigration::Moved))
+}
+
+/// Settles whatever migration of `queues` (a QueuePolicy's dead-letter queue and queue, with the
+/// shapes its plan gives them) was left midway ([`settle_abandoned`]).
+pub async fn settle_policy(broker: &Broker, queues: &[Target], bounds: &Bounds) -> Result<bool, Error> {
+    let mut settled = false;
+    for target in queues {
+        settled |= settle_abandoned(broker, &target.queue, Some(target), bounds).await?;
+    }
+    Ok(settled)
+}
+
+/// Settles a recorded migration `m` of a QueuePolicy's queues that stopped midway because `why`
+/// (onChange no longer says Migrate): its state after, RestartingConsumers where the swap had
+/// already given the queue its new shape (the consumers it cancelled are to be restarted), else
+/// RolledBack.
+pub async fn settle_recorded(
+    broker: &Broker,
+    plan: &QueuePlan,
+    m: &MigrationStatus,
+    why: &str,
+) -> Result<MigrationStatus, Error> {
+    let queues = [Target::of_dead_letter_queue(plan), Target::of_queue(plan)];
+    settle_policy(broker, &queues, &Bounds::default()).await?;
+    let now = broker.management.queue(broker.vhost(), &m.queue).await?.map(|q| Shape::of(&q).describe());
+    let mut state = m.clone();
+    if now.as_deref() == Some(m.to.as_str()) {
+        state.phase = MigrationPhase::RestartingConsumers;
+        state.message =
+            format!("{why}, but queue '{}' had been swapped: it is {} with its routes and messages", m.queue, m.to);
+    } else {
+        state.phase = MigrationPhase::RolledBack;
+        state.finished_at = Some(Time(Timestamp::now()));
+        state.message = format!(
+            "{why}: the migration of '{}' to {} stopped at {}, and its routes and messages are back on it; it keeps its shape",
+            m.queue,
+            m.to,
+            m.phase.as_str()
+        );
+    }
+    Ok(state)
+}
+
+/// Whether a recorded migration stopped between its first step and the end of its moves.
+pub fn midway(m: &MigrationStatus) -> bool {
+    m.phase < MigrationPhase::RestartingConsumers
 }
 
 /// A moved queue's state once its consumers were restarted (`restarted` names what was), or

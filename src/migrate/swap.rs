@@ -254,7 +254,7 @@ async fn delete_and_declare(
     )))
 }
 
-async fn declare(broker: &Broker, target: &Target) -> Result<(), Error> {
+pub(super) async fn declare(broker: &Broker, target: &Target) -> Result<(), Error> {
     let ch = broker.amqp.channel().await?;
     let arguments = field_table(&target.declare_arguments());
     ch.run(ch.queue_declare(target.queue.as_str().into(), durable(), arguments)).await?;
