@@ -9,6 +9,7 @@
 use crate::{
     broker_source::BrokerSource,
     crd::{DeletionPolicy, QueuePolicy},
+    migrate::Target,
     pattern::crd::QueuePattern,
     plan::{self, Limits, QueuePlan},
 };
@@ -23,6 +24,9 @@ use std::{
 pub struct Claims {
     pub queues: BTreeMap<String, BTreeSet<String>>,
     pub exchanges: BTreeMap<String, BTreeSet<String>>,
+    /// The shape each other policy declares a queue with (`quorum {x-max-length: 5}`), by
+    /// queue and then by who.
+    pub shapes: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 impl Claims {
@@ -82,8 +86,9 @@ pub fn others(
             continue;
         }
         let who = format!("QueuePolicy {ns}/{}", p.name_any());
-        for q in [&theirs.queue, &theirs.dead_letter_queue] {
-            claims.queues.entry(q.clone()).or_default().insert(who.clone());
+        for target in [Target::of_queue(&theirs), Target::of_dead_letter_queue(&theirs)] {
+            claims.queues.entry(target.queue.clone()).or_default().insert(who.clone());
+            claims.shapes.entry(target.queue.clone()).or_default().insert(who.clone(), target.shape().describe());
         }
         claims.exchanges.entry(theirs.settings.dead_letter_exchange.clone()).or_default().insert(who);
     }
@@ -134,6 +139,7 @@ mod tests {
         assert_eq!(c.exchange("dlx"), Some(&by_b));
         assert_eq!(c.queue("b"), Some(&by_b), "b's own queue");
         assert_eq!(c.queue("a"), None, "its own names are not claims");
+        assert_eq!(c.shapes["dead"], BTreeMap::from([("QueuePolicy shop/b".to_owned(), "classic".to_owned())]));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use crate::{
     broker::{Broker, BrokerCredentials, BrokerPool},
     broker_source::BrokerSource,
+    claims::{self, Claims},
     converge::{self, Mode},
     crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
     migrate::{
@@ -11,6 +12,7 @@ use crate::{
         run::{Journal, PolicyMigration, completed, midway, migrate_policy, settle_recorded},
     },
     pass,
+    pattern::crd::QueuePattern,
     plan::{self, Limits, QueuePlan},
     secret,
     status::{Check, Outcome, Reason, next_status},
@@ -132,7 +134,11 @@ pub async fn apply(
                     Err(check) => Outcome::blocked(check),
                     Ok(broker) => {
                         let migration = match plan.on_change {
-                            OnChange::Migrate => migrated(&plan, &broker, policy.status.as_ref()).await,
+                            OnChange::Migrate => {
+                                let no_patterns: [QueuePattern; 0] = [];
+                                let claims = claims::others(policy, &plan, &manifest.policies, &no_patterns, limits);
+                                migrated(&plan, &broker, policy.status.as_ref(), &claims).await
+                            }
                             OnChange::Refuse => settled(&plan, &broker, policy.status.as_ref()).await,
                         };
                         match migration {
@@ -166,9 +172,10 @@ async fn migrated(
     plan: &QueuePlan,
     broker: &Broker,
     status: Option<&QueuePolicyStatus>,
+    claims: &Claims,
 ) -> Result<Option<MigrationStatus>, (Check, MigrationStatus)> {
     let previous = status.and_then(|s| s.migration.as_ref());
-    match migrate_policy(broker, plan, previous, &mut Told, &Bounds::default()).await {
+    match migrate_policy(broker, plan, previous, &mut Told, &Bounds::default(), claims).await {
         Ok(PolicyMigration::NotNeeded) => Ok(None),
         Ok(PolicyMigration::Moved(state)) => Ok(Some(completed(state, None))),
         Ok(PolicyMigration::Stopped(check, state)) => Err((check, state)),

@@ -308,3 +308,31 @@ fn apply_with_migrate_changes_the_type_and_says_the_consumers_must_be_restarted(
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(remove_all(&plan_of(&policy(&name, "{type: quorum}"))));
 }
+
+/// Issue 31, 8: two policies share a dead-letter queue and both say Migrate, one quorum and one
+/// classic. The shared queue is not swapped back and forth at every run: the policy whose change
+/// would move it is refused, naming the other, and the queue keeps the shape it has.
+#[test]
+fn a_shared_dead_letter_queue_of_two_types_is_refused_not_swapped_back_and_forth() {
+    let (a, b) = (unique("cli-shared-a"), unique("cli-shared-b"));
+    let dead = unique("cli-shared-dead");
+    let queue = |ty: &str| format!("{{type: {ty}, onChange: Migrate, deadLetter: {{queue: {dead}}}}}");
+    let both = |ta: &str, tb: &str| format!("{}---\n{}", manifest(&a, &queue(ta)), manifest(&b, &queue(tb)));
+    let out = queueguard(&["apply", "-f", "-"], Some(&both("classic", "classic")));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for _ in 0..3 {
+        let out = queueguard(&["apply", "-f", "-"], Some(&both("quorum", "classic")));
+        let s = statuses(&out);
+        let refused = &s[0]["migration"];
+        assert_eq!(refused["phase"], "Refused", "{s:?}");
+        let message = refused["message"].as_str().unwrap();
+        assert!(message.contains(&format!("also declared by QueuePolicy test/{b}, as classic")), "{message}");
+        assert_eq!(condition(&s[0], "Migrating")["reason"], "MigrationRefused");
+        assert_eq!(queue_of(&dead)["type"], "classic", "the shared queue keeps its shape");
+    }
+    assert_eq!(queue_of(&a)["type"], "classic", "nothing of a's moved while its dead-letter queue is refused");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for name in [&a, &b] {
+        rt.block_on(remove_all(&plan_of(&policy(name, &queue("classic")))));
+    }
+}

@@ -433,7 +433,8 @@ async fn a_classic_queue_becomes_a_quorum_queue_on_every_node_with_its_messages(
 
     let quorum = plan_of(&policy(&name, &format!("{{name: {name}, type: quorum, onChange: Migrate}}")));
     let mut steps = Steps::default();
-    let migrated = migrate_policy(&broker, &quorum, None, &mut steps, &Default::default()).await.unwrap();
+    let migrated =
+        migrate_policy(&broker, &quorum, None, &mut steps, &Default::default(), &Default::default()).await.unwrap();
     let PolicyMigration::Moved(state) = migrated else { panic!("not moved: {migrated:?}") };
     assert_eq!((state.moved_out, state.moved_back), (2000, 2000));
     eprintln!(

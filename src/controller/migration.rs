@@ -112,7 +112,8 @@ pub(super) async fn run(
             other => return Ok(other),
         }
     } else if plan.on_change == OnChange::Migrate {
-        match migrate_policy(broker, plan, recorded, &mut journal, &Bounds::default()).await {
+        let claims = ctx.claims_of_others(policy, plan).await?;
+        match migrate_policy(broker, plan, recorded, &mut journal, &Bounds::default(), &claims).await {
             Ok(PolicyMigration::NotNeeded) => {}
             Ok(PolicyMigration::Moved(state)) => moved = Some(state),
             Ok(PolicyMigration::Stopped(check, state)) => return Ok(Migrated::Stopped(check, state)),

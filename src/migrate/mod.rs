@@ -17,6 +17,7 @@ use crate::{
         amqp::AmqpError,
         management::{FeatureFlag, ManagementError, PolicyInfo, QueueConsumer, QueueInfo},
     },
+    claims::Claims,
     crd::{MigrationPhase, QueueType},
     plan::QueuePlan,
     settings::{self, ArgValue},
@@ -248,6 +249,18 @@ pub fn differences(current: &Shape, target: &Target) -> Vec<String> {
 /// The holding queue of a migration of `queue`.
 pub fn holding_name(queue: &str) -> String {
     format!("{queue}{HOLDING_SUFFIX}")
+}
+
+/// Another policy that declares `target.queue` with another shape (a dead-letter queue two
+/// policies share, say): migrating it to this policy's shape would have the other migrate it
+/// back, at every pass of each.
+pub fn shared_conflict(target: &Target, claims: &Claims) -> Option<String> {
+    let mine = target.shape().describe();
+    let (who, theirs) = claims.shapes.get(&target.queue)?.iter().find(|(_, shape)| **shape != mine)?;
+    Some(format!(
+        "queue '{}' is also declared by {who}, as {theirs}, and this policy would make it {mine}: each would migrate it back. Give both the same type and arguments for it, or each its own dead-letter queue",
+        target.queue
+    ))
 }
 
 /// What the broker says around a queue, for [`refusal`].

@@ -4,7 +4,7 @@ use super::{
     Bounds, Error, Resume, Shape, Surroundings, Target, above, holding_name, holding_policy, holding_policy_name,
     is_fence_of,
     mover::{self, Moving},
-    refusal, resume_at, swap, waiting_settings,
+    refusal, resume_at, shared_conflict, swap, waiting_settings,
 };
 use crate::{
     broker::{
@@ -13,6 +13,7 @@ use crate::{
         management::{PolicyInfo, QueueInfo},
         refusal::{NOT_FOUND, PRECONDITION_FAILED},
     },
+    claims::Claims,
     crd::{MigrationPhase, MigrationStatus, QueueType},
     plan::QueuePlan,
     settings,
@@ -475,12 +476,17 @@ pub async fn migrate_policy<J: Journal + Send>(
     previous: Option<&MigrationStatus>,
     journal: &mut J,
     bounds: &Bounds,
+    claims: &Claims,
 ) -> Result<PolicyMigration, Error> {
     let mut tracked = Tracked { inner: journal, last: previous.cloned() };
     let mut moved = None;
     for target in [Target::of_dead_letter_queue(plan), Target::of_queue(plan)] {
         let resumed = tracked.last.clone();
-        match migrate(broker, &target, resumed.as_ref(), &mut tracked, bounds).await {
+        let migrated = match shared_conflict(&target, claims) {
+            Some(why) if needs_moving(broker, &target).await? => Err(Error::Refused(why)),
+            _ => migrate(broker, &target, resumed.as_ref(), &mut tracked, bounds).await,
+        };
+        match migrated {
             Ok(Ended::NotNeeded) => {}
             Ok(Ended::Moved(state)) => moved = Some(*state),
             Err(Error::Refused(why)) => {
@@ -511,6 +517,12 @@ pub async fn migrate_policy<J: Journal + Send>(
         }
     }
     Ok(moved.map_or(PolicyMigration::NotNeeded, PolicyMigration::Moved))
+}
+
+/// Whether the queue exists with another shape than `target`'s.
+async fn needs_moving(broker: &Broker, target: &Target) -> Result<bool, Error> {
+    let queue = broker.management.queue(broker.vhost(), &target.queue).await?;
+    Ok(queue.is_some_and(|q| !super::differences(&Shape::of(&q), target).is_empty()))
 }
 
 /// Settles whatever migration of `queues` (a QueuePolicy's dead-letter queue and queue, with the

@@ -278,3 +278,15 @@ fn the_plan_says_from_and_to_what_is_left_behind_and_the_steps() {
     let same = shape("quorum", json!({"x-max-length": 10}));
     assert!(plan_text("/", &same, &target, &[], None, &bounds).contains("nothing to do"));
 }
+
+#[test]
+fn a_queue_another_policy_declares_with_another_shape_is_not_migrated_to_this_ones() {
+    let mut claims = Claims::default();
+    let dead = Target { queue: "dead".into(), ..target(QueueType::Quorum, json!({})) };
+    assert_eq!(shared_conflict(&dead, &claims), None);
+    claims.shapes.entry("dead".into()).or_default().insert("QueuePolicy shop/b".into(), "quorum".into());
+    assert_eq!(shared_conflict(&dead, &claims), None, "the same shape: no conflict");
+    claims.shapes.entry("dead".into()).or_default().insert("QueuePolicy shop/c".into(), "classic".into());
+    let why = shared_conflict(&dead, &claims).unwrap();
+    assert!(why.contains("also declared by QueuePolicy shop/c, as classic") && why.contains("make it quorum"), "{why}");
+}

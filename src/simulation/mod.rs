@@ -274,12 +274,13 @@ async fn migrate(
     let mut figures = Migration::default();
     for plan in declared.iter_mut() {
         let target = demo_plan(&plan.queue, !quorum, true)?;
-        let state = match migrate_policy(broker, &target, None, &mut Told, &crate::migrate::Bounds::default()).await {
-            Ok(PolicyMigration::Moved(state)) => state,
-            Ok(PolicyMigration::NotNeeded) => return Err(format!("queue '{}' did not need to move", plan.queue)),
-            Ok(PolicyMigration::Stopped(check, _)) => return Err(check.message),
-            Err(e) => return Err(e.to_string()),
-        };
+        let state =
+            match migrate_policy(broker, &target, None, &mut Told, &Default::default(), &Default::default()).await {
+                Ok(PolicyMigration::Moved(state)) => state,
+                Ok(PolicyMigration::NotNeeded) => return Err(format!("queue '{}' did not need to move", plan.queue)),
+                Ok(PolicyMigration::Stopped(check, _)) => return Err(check.message),
+                Err(e) => return Err(e.to_string()),
+            };
         figures.from = state.from.clone();
         figures.to = state.to.clone();
         figures.moved_out += state.moved_out;
