@@ -574,7 +574,7 @@ async fn apply(args: ApplyArgs) -> ExitCode {
 async fn migrate_queue(args: MigrateArgs) -> ExitCode {
     use crate::migrate::{
         Bounds, Shape, Target, holding_name, plan_text,
-        run::{Ended, migrate, recorded_target, refusal_on},
+        run::{Ended, migrate, plain_declare_note, recorded_target, refusal_on},
     };
     let uri = match args.broker.uri() {
         Ok(uri) => uri,
@@ -608,7 +608,8 @@ async fn migrate_queue(args: MigrateArgs) -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-            print!("{}", plan_text(&vhost, &current, &target, &dropped, refused.as_deref(), &bounds));
+            let note = plain_declare_note(&broker, target.queue_type).await;
+            print!("{}", plan_text(&vhost, &current, &target, &dropped, refused.as_deref(), &bounds, note.as_deref()));
             if refused.is_some() {
                 return ExitCode::from(1);
             }

@@ -597,6 +597,9 @@ pub struct MigrationStatus {
     /// default exchange raced the swap of a quorum queue, which cannot be deleted if-empty).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropped_at_swap: Option<i64>,
+    /// When the operator restarted the guarded workloads, after the moves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarted_at: Option<Time>,
     /// Whether the consumers were restarted through their workload's rollout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumers_restarted: Option<bool>,

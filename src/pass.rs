@@ -6,7 +6,7 @@ use crate::{
     broker::{Broker, BrokerCredentials, BrokerPool, uri::BrokerUri},
     broker_source::BrokerSource,
     converge::Mode,
-    crd::QueuePolicyStatus,
+    crd::{MigrationPhase, QueuePolicyStatus},
     plan::QueuePlan,
     status::{self, Check, ConditionType, Outcome, Reason},
 };
@@ -20,6 +20,8 @@ pub const UNREACHABLE_RETRY: Duration = Duration::from_secs(10);
 pub const SECRET_RETRY: Duration = Duration::from_secs(30);
 /// Retry delay for conflicts and refusals that need a human.
 pub const CONFLICT_RETRY: Duration = Duration::from_secs(60);
+/// How soon a migrated queue is looked at again while its restarted consumers are not back.
+pub const RESTART_LOOK: Duration = Duration::from_secs(10);
 
 /// The shared endpoint for a plan's broker, or the condition that explains why there is none.
 pub fn broker_for_plan(pool: &BrokerPool, plan: &QueuePlan, creds: &BrokerCredentials) -> Result<Arc<Broker>, Check> {
@@ -60,6 +62,12 @@ pub fn mode_for(plan: &QueuePlan, previous: Option<&QueuePolicyStatus>, generati
 /// When to reconcile again; None waits for the next change of the object.
 pub fn requeue_after(plan: Option<&QueuePlan>, outcome: &Outcome) -> Option<Duration> {
     let plan = plan?;
+    // Until the restarted consumers are back on a migrated queue (the gate's wake-ups come
+    // sooner; this is for the attach timeout).
+    let restarting = outcome.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::RestartingConsumers);
+    if restarting {
+        return Some(RESTART_LOOK);
+    }
     if outcome.is_ready() {
         // A renewal well inside the expiry window, so keepAlive really keeps the queue alive.
         let renew = if plan.keep_alive { plan.settings.expires / 3 } else { RESYNC };

@@ -79,6 +79,7 @@ pub enum Reason {
     MigrationRefused,
     MigrationFailed,
     MigrationRolledBack,
+    MigrationConsumersMissing,
 }
 
 impl Reason {

@@ -1030,13 +1030,13 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
             expected.push(format!("{queue} {phase}"));
         }
     }
-    expected.extend(["RestartingConsumers", "Completed", "Completed"].map(|p| format!("{name} {p}")));
+    expected.extend(["RestartingConsumers"; 3].map(|p| format!("{name} {p}")));
     assert_eq!(phases, expected, "each step recorded before it was taken, then the pass's status");
     // The queue's own start (its dead-letter queue moved first, with a start of its own).
     let restarting = pass
         .statuses
         .iter()
-        .find(|s| s["migration"]["phase"] == "RestartingConsumers" && s["migration"]["queue"] == name.as_str())
+        .find(|s| s["migration"]["restartedAt"].is_string() && s["migration"]["queue"] == name.as_str())
         .unwrap();
     let stamp = restarting["migration"]["startedAt"].as_str().expect("the start is recorded").to_owned();
     let restart = json!({"spec": {"template": {"metadata": {"annotations": {"queueguard.io/restartedAt": stamp}}}}});
@@ -1045,22 +1045,43 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
         vec![(format!("{name} RestartingConsumers"), restart.clone())],
         "one restart of the Deployment, after the step was recorded"
     );
+    // Issue 31, 12: not Completed while no consumer is back on the new queue.
     let status = pass.statuses.last().unwrap();
     let m = &status["migration"];
-    assert_eq!((m["phase"].as_str(), m["consumersRestarted"].as_bool()), (Some("Completed"), Some(true)), "{m}");
-    assert!(m["message"].as_str().unwrap().contains("restarted Deployment 'worker'"), "{m}");
-    assert_eq!(condition(status, "Migrating")["reason"], "MigrationCompleted");
+    assert_eq!(m["phase"], "RestartingConsumers", "{m}");
+    assert!(m["message"].as_str().unwrap().contains("waiting for its consumers to attach"), "{m}");
+    assert_eq!(condition(status, "Migrating")["reason"], "Migrating");
     assert!(!pass.events.contains(&"QueueRecreated".to_owned()), "{:?}", pass.events);
     let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
     assert_eq!(q["type"], "quorum");
 
-    // The next pass: the swap's deletion of the old queue (seen by the tracker meanwhile) is
-    // the operator's own, not one behind its back: nothing is declared again, nothing told.
+    // A restarted worker attaches: the next pass completes, patching the same value again.
+    let (worker, ch) = app().await;
+    let _consumer =
+        ch.basic_consume(name.as_str().into(), "".into(), Default::default(), Default::default()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut next = after.clone();
     next.status = Some(serde_json::from_value(status.clone()).unwrap());
     let (done, finished) = tokio::sync::oneshot::channel();
     let next_pass = serve_migration_pass(pass.api, serde_json::to_value(&next).unwrap(), name.clone(), false, finished);
+    let server = tokio::spawn(next_pass);
+    run(next, ctx.clone()).await.unwrap();
+    done.send(()).unwrap();
+    let completed = server.await.unwrap();
+    assert_eq!(completed.restarts.iter().map(|(_, body)| body).collect::<Vec<_>>(), vec![&restart]);
+    let status = completed.statuses.last().unwrap();
+    let m = &status["migration"];
+    assert_eq!((m["phase"].as_str(), m["consumersRestarted"].as_bool()), (Some("Completed"), Some(true)), "{m}");
+    assert!(m["message"].as_str().unwrap().contains("restarted Deployment 'worker'"), "{m}");
+    assert_eq!(condition(status, "Migrating")["reason"], "MigrationCompleted");
+
+    // The next pass: the swap's deletion of the old queue (seen by the tracker meanwhile) is
+    // the operator's own, not one behind its back: nothing is declared again, nothing told.
+    let mut next = after.clone();
+    next.status = Some(serde_json::from_value(status.clone()).unwrap());
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let next_pass =
+        serve_migration_pass(completed.api, serde_json::to_value(&next).unwrap(), name.clone(), false, finished);
     let server = tokio::spawn(next_pass);
     run(next, ctx).await.unwrap();
     done.send(()).unwrap();
@@ -1076,11 +1097,64 @@ async fn a_migration_restarts_the_guarded_deployment_then_completes() {
     let (done, finished) = tokio::sync::oneshot::channel();
     let resumed_pass = serve_migration_pass(api, serde_json::to_value(&resumed).unwrap(), name.clone(), true, finished);
     let server = tokio::spawn(resumed_pass);
+    let tracker = live_tracker(&ctx).await;
+    let queue = queueguard::consumers::QueueKey::new("/", &name);
+    assert!(eventually(Duration::from_secs(10), || async { tracker.consumers_on(&queue).len() == 1 }).await);
     run(resumed, ctx).await.unwrap();
     done.send(()).unwrap();
     let again = server.await.unwrap();
     assert_eq!(again.restarts.iter().map(|(_, body)| body).collect::<Vec<_>>(), vec![&restart]);
     assert_eq!(again.statuses.last().unwrap()["migration"]["phase"], "Completed");
+    worker.close(200, "done".into()).await.unwrap();
+    remove_all(&plan_of(&after)).await;
+}
+
+/// Issue 31, 12: restarted workers that never attach to the new queue (a plain declare of a
+/// quorum queue is refused) leave the migration RestartingConsumers, never Completed; past the
+/// attach timeout it says the likely cause and the way back, with a Warning Event.
+#[tokio::test]
+async fn a_migration_whose_restarted_consumers_do_not_return_says_why_and_the_way_back() {
+    let name = unique("ctrl-migrate-missing");
+    let consumers = "consumers: {deployment: worker, minAttachedSeconds: 0}\n  gate: {attachTimeout: 1s}";
+    let before = with_finalizer(policy_doc(&name, &format!("queue: {{type: classic}}\n  {consumers}")));
+    let after =
+        with_finalizer(policy_doc(&name, &format!("queue: {{type: quorum, onChange: Migrate}}\n  {consumers}")));
+    declared(&before).await;
+    let (ctx, api) = guarded_harness(&after, &name).await;
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let server =
+        tokio::spawn(serve_migration_pass(api, serde_json::to_value(&after).unwrap(), name.clone(), true, finished));
+    run(after.clone(), ctx.clone()).await.unwrap();
+    done.send(()).unwrap();
+    let pass = server.await.unwrap();
+    let status = pass.statuses.last().unwrap().clone();
+    assert_eq!(status["migration"]["phase"], "RestartingConsumers");
+
+    // The worker's own plain declare, as it restarts, is refused.
+    let (_conn, ch) = app().await;
+    let plain = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+    assert!(ch.queue_declare(name.as_str().into(), plain, Default::default()).await.is_err());
+
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut next = after.clone();
+    next.status = Some(serde_json::from_value(status).unwrap());
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let next_pass = serve_migration_pass(pass.api, serde_json::to_value(&next).unwrap(), name.clone(), false, finished);
+    let server = tokio::spawn(next_pass);
+    run(next, ctx).await.unwrap();
+    done.send(()).unwrap();
+    let late = server.await.unwrap();
+    let m = &late.statuses.last().unwrap()["migration"];
+    assert_eq!(m["phase"], "RestartingConsumers", "never Completed while nobody consumes: {m}");
+    let message = m["message"].as_str().unwrap();
+    assert!(message.contains("0 of 1 consumers have attached"), "{message}");
+    assert!(
+        message.contains("Likely cause: once it is quorum")
+            && message.contains("refuses an application's plain declare"),
+        "{message}"
+    );
+    assert!(message.contains("The way back: set spec.queue.type back"), "{message}");
+    assert!(late.events.contains(&"MigrationConsumersMissing".to_owned()), "{:?}", late.events);
     remove_all(&plan_of(&after)).await;
 }
 
@@ -1125,9 +1199,7 @@ async fn serve_migration_pass(
     fresh: bool,
     mut done: tokio::sync::oneshot::Receiver<()>,
 ) -> MigrationPass {
-    if fresh {
-        api.expect("GET", "/api/v1/namespaces/test/secrets/rabbitmq").await.respond(StatusCode::OK, &broker_secret());
-    }
+    let mut secret_reads = 0;
     let (mut statuses, mut restarts, mut events) = (Vec::new(), Vec::new(), Vec::new());
     let mut names = std::collections::HashMap::new();
     let mut finished = false;
@@ -1145,7 +1217,10 @@ async fn serve_migration_pass(
         };
         let Some(call) = call else { break };
         let (method, path, body) = (call.method.clone(), call.path.clone(), call.body.clone());
-        if path == format!("{POLICIES}/{name}/status") {
+        if (method.as_str(), path.as_str()) == ("GET", "/api/v1/namespaces/test/secrets/rabbitmq") {
+            secret_reads += 1;
+            call.respond(StatusCode::OK, &broker_secret());
+        } else if path == format!("{POLICIES}/{name}/status") {
             statuses.push(body["status"].clone());
             assert!(!body.to_string().contains("guest:guest"), "no credentials in status");
             call.respond(StatusCode::OK, &echo);
@@ -1171,6 +1246,7 @@ async fn serve_migration_pass(
             call.respond(code, &body);
         }
     }
+    assert_eq!(secret_reads, usize::from(fresh), "the Secret is read once, by a fresh operator only");
     MigrationPass { api, statuses, restarts, events }
 }
 

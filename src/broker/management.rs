@@ -615,6 +615,20 @@ impl ManagementClient {
         Ok(())
     }
 
+    /// The broker's version (`3.10.8`), None where the API does not say.
+    pub async fn version(&self) -> Result<Option<String>, ManagementError> {
+        let overview: Option<Value> = self.get_query(&["overview"], "columns=rabbitmq_version").await?;
+        Ok(overview.and_then(|o| o.get("rabbitmq_version")?.as_str().map(str::to_owned)))
+    }
+
+    /// The vhost's default queue type (`classic`, `quorum`), None where it has none (3.10 says
+    /// `undefined`).
+    pub async fn default_queue_type(&self, vhost: &str) -> Result<Option<String>, ManagementError> {
+        let v: Option<Value> = self.get_query(&["vhosts", vhost], "columns=default_queue_type").await?;
+        let named = v.and_then(|v| v.get("default_queue_type")?.as_str().map(str::to_owned));
+        Ok(named.filter(|t| t != "undefined"))
+    }
+
     /// The vhost's operator policies (merged with a queue's policy, never outranked by one).
     pub async fn operator_policies(&self, vhost: &str) -> Result<Vec<PolicyInfo>, ManagementError> {
         Ok(self.get_opt(&["operator-policies", vhost]).await?.unwrap_or_default())

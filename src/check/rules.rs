@@ -48,10 +48,11 @@ pub enum Rule {
     ClassicQueueOnCluster,
     RefusedByNewerRabbitmq,
     ManagedElsewhere,
+    PlainDeclareRefusedAfterMigration,
 }
 
 impl Rule {
-    pub const ALL: [Rule; 15] = [
+    pub const ALL: [Rule; 16] = [
         Rule::InvalidPolicy,
         Rule::UnsafeRolloutStrategy,
         Rule::MissingReadinessGate,
@@ -67,6 +68,7 @@ impl Rule {
         Rule::ClassicQueueOnCluster,
         Rule::RefusedByNewerRabbitmq,
         Rule::ManagedElsewhere,
+        Rule::PlainDeclareRefusedAfterMigration,
     ];
 
     pub fn id(self) -> &'static str {
@@ -86,6 +88,7 @@ impl Rule {
             Self::ClassicQueueOnCluster => "QG013",
             Self::RefusedByNewerRabbitmq => "QG014",
             Self::ManagedElsewhere => "QG015",
+            Self::PlainDeclareRefusedAfterMigration => "QG016",
         }
     }
 
@@ -139,6 +142,9 @@ impl Rule {
             Self::ManagedElsewhere => {
                 "a QueuePolicy, without adopt: true, for a queue a Messaging Topology Operator Queue declares on the same RabbitmqCluster and vhost: the operator will touch nothing"
             }
+            Self::PlainDeclareRefusedAfterMigration => {
+                "a QueuePolicy with onChange: Migrate to a quorum queue: workers that declare the queue without x-queue-type are refused once it is quorum (RabbitMQ 3.x always, 4.x unless the vhost's default queue type is quorum)"
+            }
         }
     }
 
@@ -159,6 +165,7 @@ impl Rule {
             Self::ClassicQueueOnCluster => classic_queue_on_cluster(f),
             Self::RefusedByNewerRabbitmq => refused_by_rabbitmq_4_3(f),
             Self::ManagedElsewhere => managed_elsewhere(f),
+            Self::PlainDeclareRefusedAfterMigration => plain_declare_refused_after_migration(f),
         }
     }
 }
@@ -1054,6 +1061,29 @@ fn managed_elsewhere(f: &Facts) -> Vec<Finding> {
     out
 }
 
+/// QG016: a migration to a quorum queue, whose workers may declare it plainly (no
+/// x-queue-type, as the source articles' workers do) and be refused afterwards. The broker's
+/// version and the vhost's default queue type decide (`queueguard migrate --dry-run` reads
+/// them); this says what to check.
+fn plain_declare_refused_after_migration(f: &Facts) -> Vec<Finding> {
+    let migrating = |p: &&Planned| p.plan.on_change == OnChange::Migrate && p.plan.queue_type == QueueType::Quorum;
+    f.planned
+        .iter()
+        .filter(migrating)
+        .map(|p| {
+            finding(
+                Rule::PlainDeclareRefusedAfterMigration,
+                Severity::Warning,
+                &p.doc.id,
+                format!(
+                    "queue '{}' becomes quorum by migration: a worker that declares it without x-queue-type (a plain queue_declare(durable=True), as most do at start-up) is then refused (PRECONDITION_FAILED inequivalent arg 'x-queue-type') on RabbitMQ 3.x, and on 4.x unless the vhost's default queue type is quorum, so its consumers would not come back. Have the workers declare x-queue-type: quorum (or passively), or on 4.x set the vhost's default queue type to quorum; `queueguard migrate {} --to quorum --dry-run` says what this broker will do.",
+                    p.plan.queue, p.plan.queue
+                ),
+            )
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1357,6 +1387,19 @@ mod tests {
                 && transient.message.contains("durable is false")
         );
         assert_eq!(transient.severity, Severity::Warning);
+    }
+
+    #[test]
+    fn qg016_a_migration_to_quorum_warns_of_plain_declares() {
+        let text = policy("orders", "{type: quorum, onChange: Migrate}", "")
+            + &policy("billing", "{type: quorum}", "")
+            + &policy("events", "{type: classic, onChange: Migrate}", "");
+        let f: Vec<_> = found(&text).into_iter().filter(|(id, _)| *id == "QG016").collect();
+        assert_eq!(f, vec![("QG016", "QueuePolicy shop/orders".into())]);
+        let w =
+            only(&policy("orders", "{type: quorum, onChange: Migrate}", ""), Rule::PlainDeclareRefusedAfterMigration);
+        assert!(w.message.contains("without x-queue-type") && w.message.contains("--dry-run"), "{}", w.message);
+        assert_eq!(w.severity, Severity::Warning);
     }
 
     #[test]

@@ -8,12 +8,13 @@ use crate::{
     broker::Broker,
     consumers::{ConsumerTracker, QueueKey},
     crd::{MigrationPhase, MigrationStatus, OnChange, QueuePolicy, QueuePolicyStatus},
+    duration::Human,
     events::{EventReason, EventSpec},
     gate::index::ObjectKey,
     metrics::PolicyLabels,
     migrate::{
         Bounds,
-        run::{Journal, PolicyMigration, completed, midway, migrate_policy, settle_recorded},
+        run::{Journal, PolicyMigration, completed, midway, migrate_policy, plain_declare_note, settle_recorded},
     },
     names::RESTARTED_AT,
     plan::QueuePlan,
@@ -36,7 +37,9 @@ use std::sync::Arc;
 pub(super) enum Migrated {
     /// Nothing under way: converge as usual (the migration, if any, as status says).
     Idle,
-    /// It finished in this pass, or one left midway (onChange no longer Migrate) was settled.
+    /// Its moves are done (or one left midway, onChange no longer Migrate, was settled): the pass
+    /// goes on with this state to show (Completed, RolledBack, or RestartingConsumers while the
+    /// restarted consumers are not back).
     Completed(MigrationStatus),
     /// It cannot go on now: the queue is left to the next pass (or to a changed spec).
     Stopped(Check, MigrationStatus),
@@ -126,24 +129,85 @@ pub(super) async fn run(
     let Some(mut state) = moved else { return Ok(Migrated::Idle) };
 
     let guarded = ctx.gate.read(|index| index.guarded(&ObjectKey::of(policy)));
-    let restarted = if plan.gate.is_some() && !guarded.is_empty() {
-        state.phase = MigrationPhase::RestartingConsumers;
-        state.message = format!(
-            "restarting {} so its consumers attach to the new queue; the gate holds each old pod until a new one has",
-            describe(&guarded)
-        );
+    let (Some(gate), false) = (&plan.gate, guarded.is_empty()) else {
+        let state = completed(state, None);
         journal.write(&state).await?;
-        let stamp = restart_stamp(&state);
-        for workload in &guarded {
-            restart(ctx, workload, &stamp).await?;
-        }
-        Some(describe(&guarded))
-    } else {
-        None
+        return Ok(Migrated::Completed(state));
     };
-    let state = completed(state, restarted.as_deref());
-    journal.write(&state).await?;
+    let workloads = describe(&guarded);
+    let restarted_at = match state.restarted_at.clone() {
+        Some(at) => at,
+        None => {
+            let at = Time(Timestamp::now());
+            state.phase = MigrationPhase::RestartingConsumers;
+            state.restarted_at = Some(at.clone());
+            state.message = format!(
+                "restarting {workloads} so its consumers attach to the new queue; the gate holds each old pod until a new one has"
+            );
+            journal.write(&state).await?;
+            at
+        }
+    };
+    // The same value again on a later pass changes nothing.
+    let stamp = restart_stamp(&state);
+    for workload in &guarded {
+        restart(ctx, workload, &stamp).await?;
+    }
+    // Completed only once consumers are back on the new queue: a restarted worker that cannot
+    // declare it consumes nothing.
+    let attached = attached_to(broker, tracker, &state.queue).await;
+    let wanted = gate.min_attached.max(1) as usize;
+    if attached >= wanted {
+        let state = completed(state, Some(&workloads));
+        journal.write(&state).await?;
+        return Ok(Migrated::Completed(state));
+    }
+    let waited = Timestamp::now().duration_since(restarted_at.0).unsigned_abs();
+    let timed_out = waited >= gate.attach_timeout;
+    let message = if timed_out {
+        let cause = plain_declare_note(broker, plan.queue_type)
+            .await
+            .unwrap_or_else(|| "the restarted workers fail to declare or consume it (their logs say why)".into());
+        format!(
+            "restarted {workloads}, and {} after it {attached} of {wanted} consumers have attached to queue '{}' ({}). Likely cause: {cause}. The way back: set spec.queue.type back to what it was; with onChange: Migrate the queue moves back to the shape the workers declare",
+            Human(gate.attach_timeout),
+            state.queue,
+            state.to
+        )
+    } else {
+        format!(
+            "restarted {workloads}; waiting for its consumers to attach to queue '{}' ({attached} of {wanted} so far, at most {})",
+            state.queue,
+            Human(gate.attach_timeout)
+        )
+    };
+    if message != state.message {
+        let newly_late = timed_out && !state.message.contains("Likely cause");
+        state.message = message;
+        journal.write(&state).await?;
+        if newly_late {
+            let warning = EventSpec {
+                warning: true,
+                reason: EventReason::Condition(Reason::MigrationConsumersMissing),
+                action: "MigrateQueue",
+                note: state.message.clone(),
+            };
+            publish_for(policy, &ctx.shared, &warning).await;
+        }
+    }
     Ok(Migrated::Completed(state))
+}
+
+/// Consumers attached to `queue` now: as the tracker follows them, else as the management API
+/// last counted them.
+async fn attached_to(broker: &Broker, tracker: Option<&Arc<ConsumerTracker>>, queue: &str) -> usize {
+    match tracker {
+        Some(t) => t.consumers_on(&QueueKey::new(broker.vhost(), queue)).len(),
+        None => {
+            let info = broker.management.queue(broker.vhost(), queue).await.ok().flatten();
+            info.and_then(|q| q.consumers).unwrap_or_default().max(0) as usize
+        }
+    }
 }
 
 /// onChange no longer says Migrate while a migration is midway: it is settled

@@ -132,7 +132,11 @@ async fn broker_side(
         .map(|q| q.name.as_str())
         .collect();
     let mut events = Vec::new();
-    let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| deleted.is_empty()) {
+    // A migration whose restarted consumers are not back yet is looked at every pass.
+    let restarting = previous
+        .and_then(|s| s.migration.as_ref())
+        .is_some_and(|m| m.phase == crate::crd::MigrationPhase::RestartingConsumers);
+    let outcome = match recent_outcome(ctx, &me, generation, plan).filter(|_| deleted.is_empty() && !restarting) {
         Some(outcome) => outcome,
         None => {
             let migrated = migration::run(policy, plan, previous, &broker, tracker.as_ref(), ctx).await?;

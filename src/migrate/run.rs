@@ -4,7 +4,7 @@ use super::{
     Bounds, Error, Resume, Shape, Surroundings, Target, above, holding_name, holding_policy, holding_policy_name,
     is_fence_of,
     mover::{self, Moving},
-    refusal, resume_at, shared_conflict, swap, waiting_settings,
+    plain_declare_refused, refusal, resume_at, shared_conflict, swap, waiting_settings,
 };
 use crate::{
     broker::{
@@ -94,7 +94,8 @@ pub async fn migrate<J: Journal>(
         state.from = current.as_ref().map(Shape::describe).unwrap_or_default();
     }
 
-    let mut step = Step { broker, target, holding: &holding, vhost: &vhost, state, journal, bounds };
+    let note = plain_declare_note(broker, target.queue_type).await;
+    let mut step = Step { broker, target, holding: &holding, vhost: &vhost, state, journal, bounds, note };
     for phase in [
         MigrationPhase::Preparing,
         MigrationPhase::Draining,
@@ -134,6 +135,15 @@ pub async fn refusal_on(broker: &Broker, info: &QueueInfo, target: &Target) -> R
     Ok(refusal(&Shape::of(info), target, &around))
 }
 
+/// Why the applications' plain declares of the queue will be refused once it has `to`'s type
+/// ([`plain_declare_refused`]), from the broker's version and the vhost's default queue type;
+/// None where they will be taken, or the broker does not say.
+pub async fn plain_declare_note(broker: &Broker, to: QueueType) -> Option<String> {
+    let version = broker.management.version().await.ok()?;
+    let default = broker.management.default_queue_type(broker.vhost()).await.ok()?;
+    plain_declare_refused(to, version.as_deref(), default.as_deref())
+}
+
 /// The target recorded on the holding queue of `queue` (see [`ensure_holding`]): where a
 /// migration was going when it was cut off between deleting the queue and declaring it again.
 pub async fn recorded_target(broker: &Broker, queue: &str) -> Result<Option<Target>, Error> {
@@ -162,6 +172,8 @@ struct Step<'a, J> {
     state: MigrationStatus,
     journal: &'a mut J,
     bounds: &'a Bounds,
+    /// Why the applications' plain declares will be refused afterwards, if they will be.
+    note: Option<String>,
 }
 
 impl<J: Journal> Step<'_, J> {
@@ -172,7 +184,11 @@ impl<J: Journal> Step<'_, J> {
     }
 
     async fn take(&mut self, phase: MigrationPhase) -> Result<(), Error> {
-        self.record(phase, describe(phase, &self.target.queue, self.holding)).await?;
+        let mut message = describe(phase, &self.target.queue, self.holding);
+        if let (MigrationPhase::Preparing, Some(note)) = (phase, &self.note) {
+            message = format!("{message}; note: {note}");
+        }
+        self.record(phase, message).await?;
         let (queue, holding) = (self.target.queue.as_str(), self.holding);
         match phase {
             MigrationPhase::Preparing => {
@@ -207,7 +223,10 @@ impl<J: Journal> Step<'_, J> {
                 self.state.moved_back += self.drain(holding, queue).await?;
                 // Recorded before the holding queue goes: once it has gone, only the record
                 // says that the consumers the swap cancelled are still to be restarted.
-                let done = format!("queue '{queue}' is now {}; its consumers are to be restarted", self.state.to);
+                let mut done = format!("queue '{queue}' is now {}; its consumers are to be restarted", self.state.to);
+                if let Some(note) = &self.note {
+                    done = format!("{done}; note: {note}");
+                }
                 self.record(MigrationPhase::RestartingConsumers, done).await?;
                 delete_holding(self.broker, queue).await
             }

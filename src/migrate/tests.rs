@@ -257,7 +257,7 @@ fn the_plan_says_from_and_to_what_is_left_behind_and_the_steps() {
     let (target, dropped) = Target::converted("orders", &current, QueueType::Quorum);
     assert_eq!(dropped, ["x-queue-mode"]);
     let bounds = Bounds::default();
-    let text = plan_text("/", &current, &target, &dropped, None, &bounds);
+    let text = plan_text("/", &current, &target, &dropped, None, &bounds, Some("plain declares are refused"));
     assert!(
         text.starts_with(
             "queue 'orders' in vhost '/': classic {x-max-length: 10, x-queue-mode: lazy} → quorum {x-max-length: 10}\n"
@@ -267,16 +267,17 @@ fn the_plan_says_from_and_to_what_is_left_behind_and_the_steps() {
     assert!(text.contains("left behind (quorum queues do not take them): x-queue-mode"), "{text}");
     assert!(text.contains("declare 'orders.queueguard-migrating' (quorum, under a policy of its own"), "{text}");
     assert!(text.contains("hold no unacknowledged delivery") && text.contains("at most 60s"), "{text}");
+    assert!(text.contains("  note: plain declares are refused\n"), "{text}");
     assert!(text.contains("refuse publishes to 'orders' for a moment"), "{text}");
     let drop_head = shape("classic", json!({"x-overflow": "drop-head", "x-max-length": 10}));
     let (t, _) = Target::converted("orders", &drop_head, QueueType::Quorum);
-    assert!(plan_text("/", &drop_head, &t, &[], None, &bounds).contains("unfenced"));
+    assert!(plan_text("/", &drop_head, &t, &[], None, &bounds, None).contains("unfenced"));
     assert!(text.contains("restart the consumers"), "{text}");
 
-    let refused = plan_text("/", &current, &target, &dropped, Some("no"), &bounds);
+    let refused = plan_text("/", &current, &target, &dropped, Some("no"), &bounds, None);
     assert!(refused.ends_with("  refused: no\n") && !refused.contains("declare"), "{refused}");
     let same = shape("quorum", json!({"x-max-length": 10}));
-    assert!(plan_text("/", &same, &target, &[], None, &bounds).contains("nothing to do"));
+    assert!(plan_text("/", &same, &target, &[], None, &bounds, None).contains("nothing to do"));
 }
 
 #[test]
@@ -289,4 +290,21 @@ fn a_queue_another_policy_declares_with_another_shape_is_not_migrated_to_this_on
     claims.shapes.entry("dead".into()).or_default().insert("QueuePolicy shop/c".into(), "classic".into());
     let why = shared_conflict(&dead, &claims).unwrap();
     assert!(why.contains("also declared by QueuePolicy shop/c, as classic") && why.contains("make it quorum"), "{why}");
+}
+
+#[test]
+fn a_plain_declare_after_the_migration_is_foreseen_as_the_broker_measured_here_takes_it() {
+    use QueueType::{Classic, Quorum};
+    let three = Some("3.10.8");
+    let four = Some("4.0.5");
+    let why = plain_declare_refused(Quorum, three, None).unwrap();
+    assert!(why.contains("RabbitMQ 3.10.8 refuses") && why.contains("x-queue-type: quorum"), "{why}");
+    assert!(plain_declare_refused(Quorum, three, Some("quorum")).is_some(), "3.10 refuses it whatever the default");
+    assert_eq!(plain_declare_refused(Classic, three, Some("quorum")), None);
+    let why = plain_declare_refused(Quorum, four, Some("classic")).unwrap();
+    assert!(why.contains("whose default queue type is classic") && why.contains("must be quorum"), "{why}");
+    assert_eq!(plain_declare_refused(Quorum, four, Some("quorum")), None);
+    assert!(plain_declare_refused(Classic, four, Some("quorum")).is_some(), "4.0 refuses a classic one there");
+    assert_eq!(plain_declare_refused(Classic, four, None), None);
+    assert!(plain_declare_refused(Quorum, None, None).is_some(), "unknown: the older rule");
 }
