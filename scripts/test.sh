@@ -27,7 +27,7 @@ scripts/rabbitmq4.sh start
 trap 'scripts/rabbitmq4.sh stop >/dev/null 2>&1 || true' EXIT
 (
   eval "$(scripts/rabbitmq4.sh env)"
-  run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout --test migrate
+  run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout --test migrate --test soak
 )
 scripts/rabbitmq4.sh stop
 # Alone and one at a time, because they kill and restart the cluster's nodes.

@@ -63,6 +63,13 @@ pub enum Command {
     /// duplicates, queue deletions and the longest gate wait; exit 0 when the guarded run lost
     /// nothing.
     Demo(DemoArgs),
+    /// A fault-matrix soak: many guarded rolling restarts and live migrations of one queue
+    /// against the broker, with consumers killed without a cancel, slow consumers holding
+    /// deliveries, the operator killed mid-rollout and mid-migration, and (with --node-control) a
+    /// broker node killed; publishers through an exchange and the default exchange, with
+    /// confirms, mandatory, expirations and priorities. Prints one table and a `summary k=v`
+    /// line; every message the broker confirmed is accounted for. Exit 0 when none was lost.
+    Soak(SoakArgs),
     /// Lint manifests before they reach a cluster: QueuePolicies, QueuePatterns, consumer
     /// Deployments and the queueguard webhook, as `helm template` or `kubectl get -o yaml` print
     /// them.
@@ -185,6 +192,32 @@ pub struct DemoArgs {
     /// Migrate` does, followed by the operator's restart of the workload and the restarts.
     #[arg(long)]
     pub migrate: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SoakArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Guarded rolling restarts.
+    #[arg(long, default_value_t = 20)]
+    pub restarts: u32,
+    /// Live migrations (classic to quorum and back, in turn), spread among the restarts.
+    #[arg(long, default_value_t = 2)]
+    pub migrations: u32,
+    /// Consumer replicas.
+    #[arg(long, default_value_t = 3)]
+    pub replicas: usize,
+    /// The seed of the fault schedule and of each fault's moment and target: the same seed
+    /// replays the same run (default: from the clock, printed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A command taking `kill-node NODE` and `start-node NODE` (`scripts/rabbitmq-cluster.sh`):
+    /// with --nodes, broker nodes are killed and started again during the run.
+    #[arg(long, requires = "nodes")]
+    pub node_control: Option<String>,
+    /// The nodes --node-control knows, comma-separated (qa,qb,qc).
+    #[arg(long, value_delimiter = ',', requires = "node_control")]
+    pub nodes: Vec<String>,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -454,7 +487,7 @@ pub fn main() -> ExitCode {
         Command::Run(_) => "info",
         // The simulated clients' refused channels (an old pod declaring the queue's former
         // type) are part of the demo, counted in its figures: lapin logs each as an error.
-        Command::Demo(_) => "warn,lapin=off",
+        Command::Demo(_) | Command::Soak(_) => "warn,lapin=off",
         _ => "warn",
     };
     init_logging(cli.log_format, default_level);
@@ -474,6 +507,7 @@ pub fn main() -> ExitCode {
             Command::Consumers(args) => consumers(args).await,
             Command::Migrate(args) => migrate_queue(args).await,
             Command::Demo(args) => demo(args).await,
+            Command::Soak(args) => soak(args).await,
             Command::Check(args) => check(args),
             Command::Status(args) => status(args).await,
             Command::Uninstall(args) => uninstall(args).await,
@@ -793,6 +827,39 @@ async fn demo(args: DemoArgs) -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+async fn soak(args: SoakArgs) -> ExitCode {
+    use crate::simulation::soak::{NodeControl, SoakOptions, soak};
+    let uri = match args.broker.uri() {
+        Ok(uri) => uri,
+        Err(e) => {
+            eprintln!("error: --broker {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let seed = args.seed.unwrap_or_else(|| crate::consumers::tracker::now_ms() as u64);
+    let nodes = args.node_control.map(|command| NodeControl { command, nodes: args.nodes });
+    let options =
+        SoakOptions { seed, restarts: args.restarts, migrations: args.migrations, replicas: args.replicas, nodes };
+    eprintln!(
+        "soak: seed {seed}, {} restarts, {} migrations, {} replicas, against {}",
+        options.restarts,
+        options.migrations,
+        options.replicas,
+        uri.display()
+    );
+    match soak(&options, &uri).await {
+        Ok(report) => {
+            print!("{}", report.table());
+            println!("{}", report.summary());
+            if report.lost == 0 && report.premature_opens == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+        }
+        Err(e) => {
+            eprintln!("error: soak (seed {seed}): {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -12,9 +12,11 @@
 //! article: the application declares an auto-delete queue and reports Ready as soon as its
 //! process is up, before its consumer has attached.
 
+pub mod faults;
 pub mod model;
 mod pod;
 mod report;
+pub mod soak;
 
 pub use report::{Migration, Report, table};
 
@@ -184,6 +186,8 @@ pub async fn run(s: &Scenario, uri: &BrokerUri) -> Result<Report, String> {
         fewest: None,
         guard,
         tracker: tracker.clone(),
+        pace: Arc::default(),
+        restart_guard_at: None,
     };
 
     // First rollout, then publishing for the rest of the run.
@@ -411,6 +415,11 @@ struct Sim {
     fewest: Option<Vec<usize>>,
     guard: Option<Guard>,
     tracker: Arc<ConsumerTracker>,
+    /// How long every pod works on each delivery before acknowledging it, in ms (0 unless a
+    /// soak makes the consumers slow).
+    pace: Arc<AtomicU64>,
+    /// When the operator's gate is killed and started afresh, in the next rollout.
+    restart_guard_at: Option<Instant>,
 }
 
 impl Sim {
@@ -478,6 +487,10 @@ impl Sim {
     async fn roll(&mut self) -> Result<(), String> {
         let started = Instant::now();
         loop {
+            if self.restart_guard_at.is_some_and(|at| Instant::now() >= at) {
+                self.restart_guard_at = None;
+                self.guard = self.guard.is_some().then(|| Guard::new(&self.s, &self.keys, self.tracker.clone()));
+            }
             self.gate_pass();
             self.count_consumers();
             let states: Vec<model::PodState> = self
@@ -543,6 +556,7 @@ impl Sim {
             self.declare,
             Duration::from_millis(boot),
             Duration::from_millis(attach),
+            self.pace.clone(),
             self.tally.clone(),
         );
         pod.ordinal = ordinal;
@@ -586,6 +600,11 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// The names of the pods running (not terminating).
+    fn live_pod_names(&self) -> Vec<String> {
+        self.pods.iter().filter(|p| !p.terminating).map(|p| p.name.clone()).collect()
     }
 
     /// Notes the fewest consumers each queue has had since the first rollout.

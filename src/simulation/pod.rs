@@ -25,7 +25,8 @@ use std::{
 };
 use tokio::sync::oneshot;
 
-/// Every message consumed (and acknowledged), by sequence number, and the consumers' reconnects.
+/// Every message consumed (acknowledged on a live channel), by sequence number, and the
+/// consumers' reconnects.
 #[derive(Default)]
 pub struct Tally {
     seen: Mutex<HashMap<u64, u32>>,
@@ -35,6 +36,11 @@ pub struct Tally {
 impl Tally {
     fn record(&self, seq: u64) {
         *lock(&self.seen).entry(seq).or_default() += 1;
+    }
+
+    /// The sequence numbers consumed so far.
+    pub fn consumed(&self) -> std::collections::HashSet<u64> {
+        lock(&self.seen).keys().copied().collect()
     }
 
     /// (distinct messages, deliveries).
@@ -137,6 +143,7 @@ impl PodHandle {
         declare: Declare,
         boot: Duration,
         attach: Duration,
+        pace: Arc<AtomicU64>,
         tally: Arc<Tally>,
     ) -> Self {
         let shared = Arc::new(Shared::default());
@@ -147,8 +154,8 @@ impl PodHandle {
             uri.clone(),
             queues.to_vec(),
             declare,
-            boot,
-            attach,
+            [boot, attach],
+            pace,
             tally,
             shared.clone(),
             stopped,
@@ -223,8 +230,8 @@ async fn consume(
     uri: BrokerUri,
     queues: Vec<String>,
     declare: Declare,
-    boot: Duration,
-    attach: Duration,
+    [boot, attach]: [Duration; 2],
+    pace: Arc<AtomicU64>,
     tally: Arc<Tally>,
     shared: Arc<Shared>,
     mut stopped: oneshot::Receiver<()>,
@@ -243,7 +250,7 @@ async fn consume(
     // Pod n starts at node n, which spreads pods over a cluster's nodes.
     let mut node = id;
     loop {
-        match attach_and_work(&name, &uri, node, &queues, declare, &tally, &shared, &mut stopped).await {
+        match attach_and_work(&name, &uri, node, &queues, declare, &pace, &tally, &shared, &mut stopped).await {
             Ok(Ended::Stopped) => break,
             lost => {
                 let error = lost.err().map(|e| e.to_string()).unwrap_or_else(|| "deliveries ended".into());
@@ -261,7 +268,8 @@ async fn consume(
 }
 
 /// One connection, one channel, one consumer per queue (tag `<pod>.<i>`), as a worker that
-/// reads several queues would have.
+/// reads several queues would have; each delivery takes it `pace` ms (as it is at the time)
+/// before it acknowledges it.
 #[allow(clippy::too_many_arguments)]
 async fn attach_and_work(
     name: &str,
@@ -269,6 +277,7 @@ async fn attach_and_work(
     node: usize,
     queues: &[String],
     declare: Declare,
+    pace: &AtomicU64,
     tally: &Tally,
     shared: &Shared,
     stopped: &mut oneshot::Receiver<()>,
@@ -298,10 +307,11 @@ async fn attach_and_work(
         tokio::select! {
             delivery = deliveries.next() => match delivery {
                 Some(Ok(d)) => {
+                    tokio::time::sleep(Duration::from_millis(pace.load(Ordering::Relaxed))).await;
+                    bounded(d.ack(BasicAckOptions::default())).await?;
                     if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
                         tally.record(seq);
                     }
-                    bounded(d.ack(BasicAckOptions::default())).await?;
                 }
                 Some(Err(e)) => return Err(e),
                 None => return Ok(Ended::Lost),
@@ -318,11 +328,12 @@ async fn attach_and_work(
         }
     }
     while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await {
-        if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
-            tally.record(seq);
-        }
+        tokio::time::sleep(Duration::from_millis(pace.load(Ordering::Relaxed))).await;
         if bounded(d.ack(BasicAckOptions::default())).await.is_err() {
             return Ok(Ended::Stopped);
+        }
+        if let Some(seq) = std::str::from_utf8(&d.data).ok().and_then(|s| s.parse().ok()) {
+            tally.record(seq);
         }
     }
     let _ = bounded(ch.close(200, "bye".into())).await;
