@@ -28,6 +28,8 @@ trap 'scripts/rabbitmq4.sh stop >/dev/null 2>&1 || true' EXIT
 (
   eval "$(scripts/rabbitmq4.sh env)"
   run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout --test migrate --test soak
+  # The migrations through the reconcile and local mode (the mocked API; the broker is 4.0).
+  run_tests --test controller --test cli migrat shared_dead_letter
 )
 scripts/rabbitmq4.sh stop
 # Alone and one at a time, because they kill and restart the cluster's nodes.
