@@ -1755,3 +1755,35 @@ async fn deleting_a_policy_midway_through_a_migration_settles_it_before_the_fina
     settled_on_broker(&name, &exchange).await;
     remove_all(&plan_of(&p)).await;
 }
+
+/// A migration that unwound (consumers that never acknowledge, say) is not tried again at the
+/// next pass: each attempt starves the workers for the wait's bound. Five minutes later it is.
+#[tokio::test]
+async fn a_migration_that_unwound_waits_before_it_is_tried_again() {
+    let name = unique("ctrl-migrate-backoff");
+    let before = policy_doc(&name, "queue: {type: classic}");
+    declared(&before).await;
+    let mut p = with_finalizer(policy_doc(&name, "queue: {type: quorum, onChange: Migrate}"));
+    let unwound = json!({"migration": {
+        "phase": "RolledBack", "queue": name, "to": "quorum",
+        "message": "5 deliveries of queue were still unacknowledged",
+        "finishedAt": k8s_openapi::jiff::Timestamp::now().to_string(),
+    }});
+    p.status = Some(serde_json::from_value(unwound).unwrap());
+    let (ctx, api) = harness();
+    let (done, finished) = tokio::sync::oneshot::channel();
+    let server =
+        tokio::spawn(serve_migration_pass(api, serde_json::to_value(&p).unwrap(), name.clone(), true, finished));
+    run(p.clone(), ctx).await.unwrap();
+    done.send(()).unwrap();
+    let pass = server.await.unwrap();
+    let status = pass.statuses.last().unwrap();
+    assert_eq!(status["migration"]["phase"], "RolledBack");
+    let ready = condition(status, "Ready");
+    assert_eq!(ready["reason"], "MigrationRolledBack", "{status}");
+    assert!(ready["message"].as_str().unwrap().contains("the next attempt is at"), "{ready}");
+    assert_eq!(counts(&format!("{name}.queueguard-migrating")).await, None, "nothing moved");
+    let q = mgmt_get(&format!("queues/%2F/{}", enc(&name))).await.unwrap();
+    assert_eq!(q["type"], "classic");
+    remove_all(&plan_of(&p)).await;
+}

@@ -14,7 +14,10 @@ use crate::{
     metrics::PolicyLabels,
     migrate::{
         Bounds,
-        run::{Journal, PolicyMigration, completed, midway, migrate_policy, plain_declare_note, settle_recorded},
+        run::{
+            Journal, PolicyMigration, completed, midway, migrate_policy, next_attempt, plain_declare_note,
+            settle_recorded,
+        },
     },
     names::RESTARTED_AT,
     plan::QueuePlan,
@@ -115,6 +118,15 @@ pub(super) async fn run(
             other => return Ok(other),
         }
     } else if plan.on_change == OnChange::Migrate {
+        // A migration that unwound waits before it moves routes and messages again: consumers
+        // that never acknowledge would otherwise have the workers starved for the wait's bound
+        // at every pass.
+        if let Some(m) = recorded
+            && let Some(at) = next_attempt(m, Timestamp::now())
+        {
+            let why = format!("{}; the next attempt is at {at}", m.message);
+            return Ok(Migrated::Stopped(Check::failed(Reason::MigrationRolledBack, why), m.clone()));
+        }
         let claims = ctx.claims_of_others(policy, plan).await?;
         match migrate_policy(broker, plan, recorded, &mut journal, &Bounds::default(), &claims).await {
             Ok(PolicyMigration::NotNeeded) => {}

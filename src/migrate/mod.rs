@@ -398,6 +398,7 @@ pub fn above(policies: &[PolicyInfo]) -> i64 {
     OWN_PRIORITY.max(top + 1)
 }
 
+/// A policy a migration puts up for itself: a fence, or a holding queue's.
 fn is_own(p: &PolicyInfo) -> bool {
     p.name.starts_with(FENCE_PREFIX) || p.name.starts_with(HOLDING_POLICY_PREFIX)
 }

@@ -348,11 +348,9 @@ pub async fn settle_abandoned(
 }
 
 /// The policy that applies to a queue now, the migration's own aside.
-fn applying<'a>(queue: &str, queue_type: &str, policies: &'a [PolicyInfo]) -> Option<&'a PolicyInfo> {
+pub(super) fn applying<'a>(queue: &str, queue_type: &str, policies: &'a [PolicyInfo]) -> Option<&'a PolicyInfo> {
     let (matching, _) = settings::matching_policies(queue, queue_type, policies);
-    matching
-        .into_iter()
-        .find(|p| !p.name.starts_with("queueguard-fence.") && !p.name.starts_with("queueguard-holding."))
+    matching.into_iter().find(|p| !super::is_own(p))
 }
 
 /// Takes down every fence of `queue`, this attempt's or an earlier one's.
@@ -583,6 +581,17 @@ pub async fn settle_recorded(
         );
     }
     Ok(state)
+}
+
+/// How long a migration that unwound waits before the operator tries it again.
+pub const RETRY_AFTER_UNWINDING: Duration = Duration::from_secs(300);
+
+/// When a migration that unwound (`m`, recorded RolledBack) may be tried again, if that is still
+/// to come at `now`.
+pub fn next_attempt(m: &MigrationStatus, now: Timestamp) -> Option<Timestamp> {
+    let ended = m.finished_at.as_ref().filter(|_| m.phase == MigrationPhase::RolledBack)?.0;
+    let at = ended.checked_add(RETRY_AFTER_UNWINDING).ok()?;
+    (now < at).then_some(at)
 }
 
 /// Whether a recorded migration stopped between its first step and the end of its moves.

@@ -17,13 +17,10 @@
 use super::{
     Bounds, Error, Fence, Shape, Target, above, fence,
     mover::{self, Mover, Moving},
-    run::{durable, field_table, lift_fences, ready_on},
+    run::{applying, durable, field_table, lift_fences, ready_on},
     waiting_settings,
 };
-use crate::{
-    broker::{Broker, amqp::AmqpError, refusal::PRECONDITION_FAILED},
-    settings,
-};
+use crate::broker::{Broker, amqp::AmqpError, refusal::PRECONDITION_FAILED};
 use lapin::options::QueueDeleteOptions;
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -80,8 +77,7 @@ async fn swap_counted(
     };
     let current = Shape::of(&info);
     let policies = broker.management.policies(vhost, Duration::ZERO).await?;
-    let (matching, _) = settings::matching_policies(queue, &current.queue_type, &policies);
-    let applying = matching.into_iter().find(|p| !super::is_fence_of(p, queue));
+    let applying = applying(queue, &current.queue_type, &policies);
     let attempt = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis();
     let fence = fence(queue, &current, &waiting_settings(&current, applying), above(&policies), attempt as u64);
 

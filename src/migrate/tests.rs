@@ -308,3 +308,20 @@ fn a_plain_declare_after_the_migration_is_foreseen_as_the_broker_measured_here_t
     assert_eq!(plain_declare_refused(Classic, four, None), None);
     assert!(plain_declare_refused(Quorum, None, None).is_some(), "unknown: the older rule");
 }
+
+#[test]
+fn a_migration_that_unwound_is_tried_again_five_minutes_later() {
+    use crate::migrate::run::next_attempt;
+    use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+    let ended: Timestamp = "2026-12-07T10:00:00Z".parse().unwrap();
+    let m = crate::crd::MigrationStatus {
+        phase: MigrationPhase::RolledBack,
+        finished_at: Some(Time(ended)),
+        ..Default::default()
+    };
+    let at = |s: &str| s.parse::<Timestamp>().unwrap();
+    assert_eq!(next_attempt(&m, at("2026-12-07T10:01:00Z")), Some(at("2026-12-07T10:05:00Z")));
+    assert_eq!(next_attempt(&m, at("2026-12-07T10:05:00Z")), None, "due");
+    let completed = crate::crd::MigrationStatus { phase: MigrationPhase::Completed, ..m.clone() };
+    assert_eq!(next_attempt(&completed, at("2026-12-07T10:01:00Z")), None, "only after unwinding");
+}
