@@ -734,7 +734,7 @@ async fn consumers(args: ConsumersArgs) -> ExitCode {
     let mut changes = tracker.subscribe();
     let _interest = tracker.watch(queue.clone());
     tracker.wait_synced(&queue.vhost, std::time::Duration::from_secs(15)).await;
-    match tracker.tracking(&queue.vhost) {
+    match tracker.tracking_of(&queue) {
         Tracking::Unavailable(why) => {
             eprintln!("error: cannot see the broker: {why}");
             return ExitCode::FAILURE;

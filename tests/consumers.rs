@@ -136,6 +136,48 @@ async fn consumers_that_predate_the_tracker_come_from_the_snapshot() {
     delete_queues(&[&name]).await;
 }
 
+/// A queue watched after its vhost was first read (a second policy bound after an operator
+/// restart) has consumers only a snapshot can show: until one taken after its watch began is in,
+/// its tracking says Starting, never live with no consumers (which closed open gates).
+#[tokio::test]
+async fn a_queue_watched_after_its_vhost_was_read_is_starting_until_a_snapshot_lists_it() {
+    let name = unique("watched-late");
+    declare(&name).await;
+    let pod = unique("late-pod");
+    let (_conn, ch) = named_app(&pod).await;
+    let _early = ch
+        .basic_consume(name.as_str().into(), "early".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let listed = eventually(Duration::from_secs(15), || async {
+        let consumers = mgmt_get("consumers/%2F").await.unwrap();
+        consumers.as_array().unwrap().iter().any(|c| {
+            c.pointer("/queue/name") == Some(&json!(name))
+                && c.pointer("/channel_details/name").is_some_and(|n| n.is_string())
+        })
+    });
+    assert!(listed.await);
+    // The vhost is read and live through another queue's watch first.
+    let Tracked { t, _interest: _first, .. } = tracked("first-bound").await;
+    let key = QueueKey::new("/", &name);
+    let _interest = t.watch(key.clone());
+    let started = std::time::Instant::now();
+    assert_eq!(t.tracking_of(&key), Tracking::Starting, "nothing read of it yet");
+    let mut seen_live = false;
+    while started.elapsed() < Duration::from_secs(10) {
+        let (tracking, found) = (t.tracking_of(&key), t.consumers_on(&key));
+        if tracking.is_live() {
+            assert_eq!(found.len(), 1, "live, so its consumers are known: {found:?}");
+            seen_live = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(seen_live, "a snapshot came within 10 s: {}", t.tracking_of(&key));
+    assert!(t.wait_synced("/", Duration::from_secs(1)).await);
+    delete_queues(&[&name]).await;
+}
+
 #[tokio::test]
 async fn a_watched_queue_deleted_behind_our_back_is_noticed() {
     let Tracked { t, name, key, mut rx, _interest } = tracked("deleted").await;

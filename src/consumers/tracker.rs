@@ -159,6 +159,9 @@ pub struct ConsumerTracker {
 struct Watched {
     holders: usize,
     seen: bool,
+    /// A snapshot taken after the watch began has been applied: until then its consumers (all
+    /// attached before the watch, when the registry kept none of them) are unknown.
+    synced: bool,
 }
 
 /// A queue's consumers and deletion kept track of for as long as this lives (a policy's
@@ -252,6 +255,14 @@ impl ConsumerTracker {
         combine(self.events(), snapshot)
     }
 
+    /// How the consumers of a watched `queue` are seen now: Starting until a snapshot taken
+    /// after its watch began, even where its vhost is live through other queues.
+    pub fn tracking_of(&self, queue: &QueueKey) -> Tracking {
+        let vhost = self.tracking(&queue.vhost);
+        let unsynced = lock(&self.watched).get(queue).is_some_and(|w| !w.synced);
+        if unsynced && vhost.is_live() { Tracking::Starting } else { vhost }
+    }
+
     /// Whether events tell about every node: the subscription's state, unless a running node
     /// lacks the plugin.
     fn events(&self) -> Option<Result<(), String>> {
@@ -304,11 +315,15 @@ impl ConsumerTracker {
         if nodes.len() > 1 { NODE_CHECK } else { NODE_CHECK_SINGLE }
     }
 
-    /// Waits until `vhost` has been snapshotted once (or `timeout` passes); starts tracking it.
+    /// Waits until `vhost` has been snapshotted, after every queue of it watched now (or
+    /// `timeout` passes); starts tracking it.
     pub async fn wait_synced(&self, vhost: &str, timeout: Duration) -> bool {
         self.track_vhost(vhost);
         let mut rx = self.snapshots.subscribe();
-        let synced = || lock(&self.vhosts).get(vhost).is_some_and(|v| v.snapshot.is_some());
+        let synced = || {
+            lock(&self.vhosts).get(vhost).is_some_and(|v| v.snapshot.is_some())
+                && lock(&self.watched).iter().all(|(q, w)| q.vhost != vhost || w.synced)
+        };
         tokio::time::timeout(timeout, rx.wait_for(|_| synced())).await.is_ok_and(|r| r.is_ok())
     }
 
@@ -465,20 +480,23 @@ impl ConsumerTracker {
         if let Err(e) = &result {
             tracing::warn!(broker = %self.broker.uri.display(), %vhost, error = %e, "consumer snapshot failed");
         }
+        let newly_synced = result.as_ref().is_ok_and(|n| *n > 0);
         if let Some(v) = lock(&self.vhosts).get_mut(vhost) {
-            v.snapshot = Some(result);
+            v.snapshot = Some(result.map(|_| ()));
         }
-        if self.tracking(vhost) != before {
+        if newly_synced || self.tracking(vhost) != before {
             let _ = self.changes.send(Change::Tracking { vhost: Some(vhost.to_owned()) });
         }
         self.snapshots.send_modify(|n| *n += 1);
     }
 
-    async fn read(&self, vhost: &str) -> Result<(), String> {
+    /// Reads `vhost` into the registry; how many of its watched queues this first synced.
+    async fn read(&self, vhost: &str) -> Result<usize, String> {
         let m = &self.broker.management;
+        // Watched before the read is sent: what it lists covers them.
         let watched: Vec<QueueKey> = lock(&self.watched).keys().filter(|q| q.vhost == vhost).cloned().collect();
         if watched.is_empty() && !lock(&self.vhosts).contains_key(vhost) {
-            return Ok(()); // let go of while it was due
+            return Ok(0); // let go of while it was due
         }
         // The queue list also proves the vhost readable: the management API lists the consumers
         // of a vhost the user may not access as none at all.
@@ -506,6 +524,7 @@ impl ConsumerTracker {
             }),
         };
         let mut changes = lock(&self.registry).resync(snapshot, now);
+        let mut newly_synced = 0;
         // Without events, a watched queue that was there and is gone was deleted.
         for queue in watched {
             if let Some(w) = lock(&self.watched).get_mut(&queue) {
@@ -514,10 +533,12 @@ impl ConsumerTracker {
                     changes.push(Change::QueueDeleted { queue: queue.clone() });
                 }
                 w.seen = now_present;
+                newly_synced += usize::from(!w.synced);
+                w.synced = true;
             }
         }
         self.publish(changes);
-        Ok(())
+        Ok(newly_synced)
     }
 }
 

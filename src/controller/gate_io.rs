@@ -99,8 +99,8 @@ impl Consumers for Live {
         self.0.get(&source).map(|t| t.consumers_on(queue)).unwrap_or_default()
     }
 
-    fn tracking(&self, source: u64, vhost: &str) -> Tracking {
-        self.0.get(&source).map_or(Tracking::Unavailable("no consumer tracker".into()), |t| t.tracking(vhost))
+    fn tracking(&self, source: u64, queue: &QueueKey) -> Tracking {
+        self.0.get(&source).map_or(Tracking::Unavailable("no consumer tracker".into()), |t| t.tracking_of(queue))
     }
 }
 
@@ -135,7 +135,7 @@ impl Gate {
     /// Changes the index, evaluates what changed, and sends the writes and wake-ups.
     pub fn update<R>(&self, change: impl FnOnce(&mut GateIndex) -> R) -> R {
         let trackers = Live(lock(&self.trackers).clone());
-        let (result, effects, synced) = {
+        let (result, synced) = {
             let mut index = lock(&self.index);
             let was_synced = index.synced().all();
             let result = change(&mut index);
@@ -143,15 +143,18 @@ impl Gate {
             if synced && !was_synced {
                 index.mark_all();
             }
-            (result, index.flush(&trackers, now_ms()), synced)
+            // Queued before the lock goes: two updates' writes reach the writer in the order
+            // they were decided (a True after the False it preceded would stick).
+            self.dispatch(index.flush(&trackers, now_ms()));
+            (result, synced)
         };
-        self.dispatch(effects);
         if synced {
             self.synced.send_if_modified(|s| !std::mem::replace(s, true));
         }
         result
     }
 
+    /// Queues the writes and wake-ups (unbounded channels: never waits).
     fn dispatch(&self, effects: Effects) {
         for write in effects.writes {
             let _ = self.writes.send(write);

@@ -113,7 +113,8 @@ pub struct BoundQueue {
 /// The live consumers, as the trackers see them.
 pub trait Consumers {
     fn consumers_on(&self, source: u64, queue: &QueueKey) -> Vec<Consumer>;
-    fn tracking(&self, source: u64, vhost: &str) -> Tracking;
+    /// How the queue's consumers are seen: Starting until they are known.
+    fn tracking(&self, source: u64, queue: &QueueKey) -> Tracking;
 }
 
 /// What the gate needs of a ReplicaSet: the workload controlling it.
@@ -991,7 +992,7 @@ impl GateIndex {
         let entry = self.policies.get(key)?;
         let plan = entry.facts.plan.as_ref().ok()?;
         let (tracking, on_queue) = match &entry.binding {
-            Ok(b) => (consumers.tracking(b.source, &b.queue.vhost), consumers.consumers_on(b.source, &b.queue)),
+            Ok(b) => (consumers.tracking(b.source, &b.queue), consumers.consumers_on(b.source, &b.queue)),
             Err(why) => (Tracking::Unavailable(why.to_string()), vec![]),
         };
         let guarded = self.guards.get(key).cloned().unwrap_or_default();
@@ -1199,7 +1200,7 @@ pub struct PolicyView {
 struct ConsumerCache<'a> {
     source: &'a dyn Consumers,
     consumers: HashMap<(u64, QueueKey), Arc<Vec<Consumer>>>,
-    tracking: HashMap<(u64, String), Tracking>,
+    tracking: HashMap<(u64, QueueKey), Tracking>,
 }
 
 impl<'a> ConsumerCache<'a> {
@@ -1216,8 +1217,8 @@ impl<'a> ConsumerCache<'a> {
 
     fn tracking(&mut self, b: &BoundQueue) -> Tracking {
         self.tracking
-            .entry((b.source, b.queue.vhost.clone()))
-            .or_insert_with(|| self.source.tracking(b.source, &b.queue.vhost))
+            .entry((b.source, b.queue.clone()))
+            .or_insert_with(|| self.source.tracking(b.source, &b.queue))
             .clone()
     }
 }

@@ -32,7 +32,7 @@ impl Consumers for Broker {
         self.consumers.get(queue).cloned().unwrap_or_default()
     }
 
-    fn tracking(&self, _: u64, _: &str) -> Tracking {
+    fn tracking(&self, _: u64, _: &QueueKey) -> Tracking {
         self.tracking.clone().unwrap_or(Tracking::Events)
     }
 }

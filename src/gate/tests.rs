@@ -78,7 +78,7 @@ impl Consumers for Seen {
         self.0.iter().filter(|c| &c.queue == q).cloned().collect()
     }
 
-    fn tracking(&self, _: u64, _: &str) -> Tracking {
+    fn tracking(&self, _: u64, _: &QueueKey) -> Tracking {
         self.1.clone()
     }
 }

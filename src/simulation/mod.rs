@@ -359,8 +359,8 @@ impl Consumers for OneTracker<'_> {
         self.0.consumers_on(queue)
     }
 
-    fn tracking(&self, _: u64, vhost: &str) -> Tracking {
-        self.0.tracking(vhost)
+    fn tracking(&self, _: u64, queue: &QueueKey) -> Tracking {
+        self.0.tracking_of(queue)
     }
 }
 
