@@ -150,7 +150,8 @@ pub fn judge_deployment(deployment: &Deployment, min_attached: i32) -> Judgement
 
 /// A StatefulSet replaces its pods without surge: RollingUpdate deletes up to maxUnavailable
 /// (default 1, at least 1) and waits for each replacement to be Ready (so the gate holds the
-/// next step until the recreated pod's consumer attached). With `replicas - maxUnavailable` below
+/// next step until the recreated pod's consumer attached); under OrderedReady it also waits for
+/// every other pod to be Ready, under Parallel it does not. With `replicas - maxUnavailable` below
 /// minAttached the queue loses consumers while a pod restarts, and no strategy queueguard could
 /// set would help: only more replicas (or a lower maxUnavailable) do. Never patched.
 pub fn judge_stateful_set(set: &StatefulSet, min_attached: i32) -> Judgement {
@@ -171,6 +172,23 @@ pub fn judge_stateful_set(set: &StatefulSet, min_attached: i32) -> Judgement {
         Ok(n) => n,
         Err(e) => return Judgement::Invalid(format!("maxUnavailable: {e}")),
     };
+    if spec.and_then(|s| s.pod_management_policy.as_deref()) == Some("Parallel") {
+        // Counted as one pod more down than maxUnavailable: the pod of a rollout begun while
+        // another's replacement still waits for its consumer (kube-controller-manager 1.36,
+        // without the MaxUnavailableStatefulSet feature gate, off by default).
+        let down = unavailable + 1;
+        if replicas - down < min_attached {
+            return Judgement::Unsafe {
+                why: format!(
+                    "podManagementPolicy Parallel: RollingUpdate replaces a pod while pods of lower ordinal are not Ready (it waits only for the pods it replaced), so {down} of {replicas} pods can be down at once, leaving fewer than minAttached {min_attached} consumers"
+                ),
+                remedy: format!(
+                    "recreate the StatefulSet with podManagementPolicy OrderedReady (the field cannot change in place: kubectl delete statefulset --cascade=orphan, then apply it), or run at least {} replicas",
+                    min_attached + down
+                ),
+            };
+        }
+    }
     if replicas - unavailable < min_attached {
         let remedy = if replicas > min_attached {
             format!("lower updateStrategy.rollingUpdate.maxUnavailable to {}", replicas - min_attached)
@@ -454,6 +472,31 @@ mod tests {
         assert!(note.starts_with("partition 2"), "reported, not changed: {note}");
         let zero = stateful_set("{replicas: 0, selector: {}, template: {}, serviceName: s}");
         assert_eq!(judge_stateful_set(&zero, 1), Judgement::Safe { note: None });
+    }
+
+    /// Under Parallel the StatefulSet controller replaces the highest-ordinal pod of the old
+    /// revision while pods of lower ordinal are not Ready (it waits only for the pods it
+    /// replaced itself), so a pod still waiting for its consumer does not hold the next step.
+    #[test]
+    fn a_parallel_statefulset_is_unsafe_unless_one_pod_more_can_be_down() {
+        let parallel = |replicas: i32, extra: &str| {
+            stateful_set(&format!(
+                "{{replicas: {replicas}, selector: {{}}, template: {{}}, serviceName: s, podManagementPolicy: Parallel{extra}}}"
+            ))
+        };
+        let Judgement::Unsafe { why, remedy } = judge_stateful_set(&parallel(2, ""), 1) else { panic!() };
+        assert!(why.contains("podManagementPolicy Parallel") && why.contains("lower ordinal"), "{why}");
+        assert!(remedy.contains("OrderedReady") && remedy.contains("run at least 3 replicas"), "{remedy}");
+        assert_eq!(judge_stateful_set(&parallel(3, ""), 1), Judgement::Safe { note: None }, "3 - 1 - 1 >= 1");
+        assert!(matches!(judge_stateful_set(&parallel(3, ""), 2), Judgement::Unsafe { .. }));
+        let wide = parallel(4, ", updateStrategy: {rollingUpdate: {maxUnavailable: 2}}");
+        assert!(matches!(judge_stateful_set(&wide, 2), Judgement::Unsafe { .. }), "4 - 2 - 1 < 2");
+        let ordered = stateful_set(
+            "{replicas: 2, selector: {}, template: {}, serviceName: s, podManagementPolicy: OrderedReady}",
+        );
+        assert_eq!(judge_stateful_set(&ordered, 1), Judgement::Safe { note: None });
+        let on_delete = parallel(3, ", updateStrategy: {type: OnDelete}");
+        assert!(matches!(judge_stateful_set(&on_delete, 1), Judgement::Unsafe { why, .. } if why.contains("OnDelete")));
     }
 
     fn rollout(yaml: &str) -> Rollout {
