@@ -450,7 +450,7 @@ async fn roll(
         let uid = new.metadata.uid.clone().unwrap();
         apply_pod(&w.namespace, new);
         let id = format!("c-{name}");
-        let mut commands = vec![format!("open {id} {name}")];
+        let mut commands = vec![format!("open {id} {}/{name}", w.namespace)];
         commands.extend(w.queues.iter().enumerate().map(|(q, queue)| format!("consume {id} {queue} {name}-{q}")));
         let attached = host.send(&commands);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -650,7 +650,8 @@ async fn main() {
     let mut host = Host::start(&broker);
     let attaching = Instant::now();
     for (g, group) in workloads.chunks(PER_CONNECTION).enumerate() {
-        let names: Vec<&str> = group.iter().flat_map(|w| w.pods.iter().map(String::as_str)).collect();
+        let names: Vec<String> =
+            group.iter().flat_map(|w| w.pods.iter().map(|p| format!("{}/{p}", w.namespace))).collect();
         let mut commands = vec![format!("open g{g} {}", names.join(" "))];
         for w in group {
             commands

@@ -325,8 +325,8 @@ pub struct ConsumersSpec {
     #[schemars(range(min = 0, max = 3600))]
     pub min_attached_seconds: i32,
     /// How a broker consumer is matched to its pod: PodIP (the connection's peer address, the
-    /// default) or ConnectionName (the client's connection name contains the pod name; use it
-    /// where the broker sees NAT addresses).
+    /// default) or ConnectionName (the client's connection name contains `<namespace>/<pod name>`
+    /// or the pod's UID as a whole token; use it where the broker sees NAT addresses).
     #[serde(default)]
     pub match_by: MatchBy,
 }

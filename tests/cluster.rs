@@ -262,7 +262,7 @@ async fn killing_the_node_holding_a_pods_consumer_closes_its_gate_within_two_sec
     ctx.gate.bind(&ObjectKey::of(&p), Ok(QueueWatch { tracker: t.clone(), queue: key.clone(), dead_letter_queue }));
 
     // The pod (127.0.0.1, as every client here) consumes through qc.
-    let (_conn, ch) = cluster.app(2, "worker-abc-1").await;
+    let (_conn, ch) = cluster.app(2, "test/worker-abc-1").await;
     let _consumer = ch
         .basic_consume(
             name.as_str().into(),

@@ -616,7 +616,7 @@ async fn two_policies_on_one_worker_make_one_verdict_written_once() {
     ctx.gate.bind(&ObjectKey::of(&pa), Ok(watch(&tracker, &ka)));
     ctx.gate.bind(&ObjectKey::of(&pb), Ok(watch(&tracker, &kb)));
 
-    let (conn, ch) = named("worker-abc-1").await;
+    let (conn, ch) = named("test/worker-abc-1").await;
     let _a =
         ch.basic_consume(orders.as_str().into(), "w-a".into(), Default::default(), Default::default()).await.unwrap();
     assert!(eventually(Duration::from_secs(3), || async { tracker.consumers_on(&ka).len() == 1 }).await);

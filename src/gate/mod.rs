@@ -261,7 +261,7 @@ fn consumers_check(plan: &GatePlan, view: &PolicyView, attached: i32, expected: 
     if view.unmatched > 0 {
         let hint = match plan.match_by {
             MatchBy::PodIp => "; if the broker sees NAT addresses, set consumers.matchBy: ConnectionName",
-            MatchBy::ConnectionName => "; their connection names contain no consumer pod's name",
+            MatchBy::ConnectionName => "; their connection names contain no consumer pod's <namespace>/<name> or UID",
         };
         msg.push_str(&format!("; {} consumers match no pod{hint}", view.unmatched));
     }

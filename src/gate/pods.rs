@@ -105,14 +105,14 @@ pub enum Ownership {
 }
 
 /// Whether `consumer` is `pod`'s: by peer IP (unless `ambiguous` says the IP is shared) or by
-/// the pod name as a token of the connection name, and never from before the pod's address, nor
-/// of unknown age.
+/// the connection name ([`named_after`]), and never from before the pod's address, nor of
+/// unknown age.
 pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: impl Fn(&str) -> bool) -> Ownership {
     let matches = match by {
         MatchBy::PodIp => {
             consumer.peer_host.as_deref().is_some_and(|ip| pod.ips.iter().any(|p| p == ip) && !ambiguous(ip))
         }
-        MatchBy::ConnectionName => consumer.connection_name.as_deref().is_some_and(|n| contains_token(n, &pod.name)),
+        MatchBy::ConnectionName => consumer.connection_name.as_deref().is_some_and(|n| named_after(n, pod)),
     };
     if !matches {
         return Ownership::Foreign;
@@ -125,6 +125,13 @@ pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: im
         Some(connected) if connected.min(consumer.since_ms) + CLOCK_SKEW_MS >= since => Ownership::Owned,
         _ => Ownership::Stale,
     }
+}
+
+/// Whether a connection name carries the pod's `<namespace>/<name>` or its UID as a whole
+/// token: its name alone repeats across namespaces (a StatefulSet's ordinals) and clusters.
+pub fn named_after(connection_name: &str, pod: &PodFacts) -> bool {
+    contains_token(connection_name, &format!("{}/{}", pod.namespace, pod.name))
+        || (!pod.uid.is_empty() && contains_token(connection_name, &pod.uid))
 }
 
 /// `name` appears in `haystack` as a whole token: `worker-7d9c-x2` is in `app/worker-7d9c-x2:1`
@@ -199,12 +206,19 @@ mod tests {
         );
     }
 
+    /// A pod's name repeats across namespaces (a StatefulSet's `worker-1`) and across clusters
+    /// sharing a broker: a connection is the pod's by its namespace and name, or its UID.
     #[test]
     fn owned_by_connection_name_token() {
-        let p = pod("worker-7d9c-x2", "10.0.0.1", 0);
+        let p = pod("worker-1", "10.0.0.1", 0);
         let by_name = |n: &str| ownership(&p, &consumer("172.16.0.1", Some(n), 100), MatchBy::ConnectionName, |_| true);
-        assert_eq!(by_name("worker-7d9c-x2:consumer"), Ownership::Owned);
-        assert_eq!(by_name("orders/worker-7d9c-x2b"), Ownership::Foreign);
+        assert_eq!(by_name("shop/worker-1"), Ownership::Owned);
+        assert_eq!(by_name("billing shop/worker-1:consumer"), Ownership::Owned);
+        assert_eq!(by_name("uid-worker-1"), Ownership::Owned, "the pod's UID");
+        assert_eq!(by_name("worker-1"), Ownership::Foreign, "another namespace's worker-1 is named so too");
+        assert_eq!(by_name("staging/worker-1"), Ownership::Foreign);
+        assert_eq!(by_name("shop/worker-1b"), Ownership::Foreign);
+        assert_eq!(by_name("myshop/worker-1"), Ownership::Foreign);
         assert_eq!(by_name("someone-else"), Ownership::Foreign);
     }
 

@@ -602,9 +602,9 @@ impl Sim {
         }
     }
 
-    /// The names of the pods running (not terminating).
-    fn live_pod_names(&self) -> Vec<String> {
-        self.pods.iter().filter(|p| !p.terminating).map(|p| p.name.clone()).collect()
+    /// The connection names (UIDs) of the pods running (not terminating).
+    fn live_pod_connections(&self) -> Vec<String> {
+        self.pods.iter().filter(|p| !p.terminating).map(|p| p.uid.clone()).collect()
     }
 
     /// Notes the fewest consumers each queue has had since the first rollout.

@@ -148,9 +148,11 @@ impl PodHandle {
     ) -> Self {
         let shared = Arc::new(Shared::default());
         let (stop, stopped) = oneshot::channel();
+        let uid = format!("{name}.{id}");
         let task = tokio::spawn(consume(
             id,
             name.clone(),
+            uid.clone(),
             uri.clone(),
             queues.to_vec(),
             declare,
@@ -160,7 +162,6 @@ impl PodHandle {
             shared.clone(),
             stopped,
         ));
-        let uid = format!("{name}.{id}");
         Self { id, uid, ordinal: id, name, revision, terminating: false, gate: None, shared, stop: Some(stop), task }
     }
 
@@ -227,6 +228,7 @@ impl PodHandle {
 async fn consume(
     id: usize,
     name: String,
+    uid: String,
     uri: BrokerUri,
     queues: Vec<String>,
     declare: Declare,
@@ -250,7 +252,7 @@ async fn consume(
     // Pod n starts at node n, which spreads pods over a cluster's nodes.
     let mut node = id;
     loop {
-        match attach_and_work(&name, &uri, node, &queues, declare, &pace, &tally, &shared, &mut stopped).await {
+        match attach_and_work(&name, &uid, &uri, node, &queues, declare, &pace, &tally, &shared, &mut stopped).await {
             Ok(Ended::Stopped) => break,
             lost => {
                 let error = lost.err().map(|e| e.to_string()).unwrap_or_else(|| "deliveries ended".into());
@@ -273,6 +275,7 @@ async fn consume(
 #[allow(clippy::too_many_arguments)]
 async fn attach_and_work(
     name: &str,
+    uid: &str,
     uri: &BrokerUri,
     node: usize,
     queues: &[String],
@@ -282,7 +285,9 @@ async fn attach_and_work(
     shared: &Shared,
     stopped: &mut oneshot::Receiver<()>,
 ) -> lapin::Result<Ended> {
-    let conn = connect(uri, node, name).await?;
+    // Named by the pod's UID, as a worker given it through the downward API: unique where
+    // names repeat (a StatefulSet's pod created again under its name).
+    let conn = connect(uri, node, uid).await?;
     let ch = bounded(conn.create_channel()).await?;
     let (options, arguments) = match declare {
         Declare::AutoDelete => (QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()),

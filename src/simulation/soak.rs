@@ -215,7 +215,7 @@ pub async fn soak(o: &SoakOptions, uri: &BrokerUri) -> Result<SoakReport, String
             faults.clone(),
             operator.broker.clone(),
             o.nodes.clone(),
-            sim.live_pod_names(),
+            sim.live_pod_connections(),
             rng.between(200, 3000),
         ));
         if faults.contains(&Fault::SlowConsumers) {
