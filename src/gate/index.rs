@@ -252,6 +252,18 @@ impl PodEntry {
         self.written().unwrap_or(false)
     }
 
+    /// Open by failurePolicy Open, as written or as the pod shows: no consumer was seen.
+    fn failed_open(&self) -> bool {
+        match self.sent {
+            Some(open) => open && self.verdict.as_ref().is_some_and(|v| v.reason.failed_open()),
+            None => self
+                .facts
+                .condition
+                .as_ref()
+                .is_some_and(|c| c.status && c.reason.parse::<verdict::GateReason>().is_ok_and(|r| r.failed_open())),
+        }
+    }
+
     /// When the pod started waiting: its containers became ready, or its gate last closed.
     fn waiting_since(&self) -> Option<i64> {
         let ready = self.facts.containers_ready_since_ms?;
@@ -842,6 +854,7 @@ impl GateIndex {
         }
         let written = entry.written();
         let open = written.unwrap_or(false);
+        let failed_open = entry.failed_open();
         let waiting_since = entry.waiting_since();
         let mut votes: Vec<(String, PolicyVote)> = Vec::new();
         let mut voters = Vec::new();
@@ -866,7 +879,15 @@ impl GateIndex {
                     let (tracking, consumers) = (cache.tracking(b), cache.consumers(b));
                     let mine: Vec<&Consumer> =
                         consumers.iter().filter(|c| self.owns(&entry.facts, c, plan) == Ownership::Owned).collect();
-                    verdict::vote(&Ballot { plan, tracking: &tracking, mine: &mine, open, waiting_since, now })
+                    verdict::vote(&Ballot {
+                        plan,
+                        tracking: &tracking,
+                        mine: &mine,
+                        open,
+                        failed_open,
+                        waiting_since,
+                        now,
+                    })
                 }
             };
             let label = match &policy.binding {
@@ -883,6 +904,9 @@ impl GateIndex {
         // A flip is written; so is a pod's first word, which says why it waits even where the
         // verdict holds the condition as it is.
         let desired = match (verdict.open, written) {
+            // Let through without a consumer, and now it has one: said once, so that losing it
+            // closes the gate as for any pod.
+            (Some(true), Some(true)) if failed_open && !verdict.reason.failed_open() => Some(true),
             (Some(want), Some(have)) if want == have => None,
             (Some(want), _) => Some(want),
             (None, None) => Some(false),
@@ -902,7 +926,7 @@ impl GateIndex {
                 reason: verdict.reason,
                 message: verdict.message.clone(),
                 transition_ms: now,
-                waited_ms: if attached { waiting_since.map(|w| (now - w).max(0)) } else { None },
+                waited_ms: if attached && !open { waiting_since.map(|w| (now - w).max(0)) } else { None },
                 policies: voters,
             }),
             None => None,

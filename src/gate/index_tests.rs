@@ -611,3 +611,41 @@ fn pods_find_their_statefulset_and_their_rollout_through_owner_references() {
     let patches = flush(&mut i, &b, NOW);
     assert!(matches!(patches.as_slice(), [p] if p.pod == "canary-6f7-x" && p.first && !p.attached), "{patches:?}");
 }
+
+/// A pod let through by `failurePolicy: Open` stays open when it comes back through the watch:
+/// judged again from scratch it was closed, then reopened, every attachTimeout.
+#[test]
+fn a_pod_opened_by_failure_policy_open_stays_open_without_a_consumer() {
+    let mut open = plan(1);
+    open.failure_policy = FailurePolicy::Open;
+    let timeout = open.attach_timeout.as_millis() as i64;
+    let mut i = index(vec![(policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(open)), "orders")]);
+    let mut b = Broker::default();
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let first = flush(&mut i, &b, NOW);
+    let [waiting] = first.as_slice() else { panic!("{first:?}") };
+    assert!(!waiting.attached);
+    i.upsert_pod(written(pod("worker-1", "10.0.0.1"), waiting), NOW);
+    let at = NOW + timeout;
+    let opened = flush(&mut i, &b, at);
+    let [let_through] = opened.as_slice() else { panic!("{opened:?}") };
+    assert_eq!((let_through.attached, let_through.reason), (true, GateReason::AttachTimeoutExpired));
+    i.upsert_pod(written(pod("worker-1", "10.0.0.1"), let_through), at);
+    for later in [at + 1, at + timeout, at + 3 * timeout] {
+        assert_eq!(flush(&mut i, &b, later), vec![], "no flip at {later}");
+    }
+    // Its consumer attaching is said once (the status stays True); losing it afterwards closes
+    // the gate as for any pod.
+    b.attach("orders", "10.0.0.1", at + 10);
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    let attached = flush(&mut i, &b, at + 4 * timeout);
+    let [attached] = attached.as_slice() else { panic!("{attached:?}") };
+    assert_eq!((attached.attached, attached.reason, attached.waited_ms), (true, GateReason::ConsumerAttached, None));
+    i.upsert_pod(written(pod("worker-1", "10.0.0.1"), attached), at + 4 * timeout);
+    assert_eq!(flush(&mut i, &b, at + 4 * timeout), vec![]);
+    b.detach("orders");
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    let closed = flush(&mut i, &b, at + 4 * timeout + 1);
+    let [closed] = closed.as_slice() else { panic!("{closed:?}") };
+    assert_eq!((closed.attached, closed.reason), (false, GateReason::WaitingForConsumer));
+}

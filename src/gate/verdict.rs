@@ -89,6 +89,8 @@ pub struct Ballot<'a> {
     pub mine: &'a [&'a Consumer],
     /// Whether the pod's condition is True now (or about to be: written, not yet seen back).
     pub open: bool,
+    /// It is True because failurePolicy Open let it through, not because a consumer was seen.
+    pub failed_open: bool,
     /// When the pod started waiting: its containers became ready, or its gate last closed.
     pub waiting_since: Option<i64>,
     pub now: i64,
@@ -134,6 +136,13 @@ pub fn vote(b: &Ballot) -> PolicyVote {
                 reason: GateReason::AttachedTooRecently,
                 message: format!("{who} attached at {}; counts after {}s", rfc3339(since), min_ms / 1000),
             }
+        }
+    } else if b.failed_open {
+        // Let through once, it stays through: closing it would only reopen it an attachTimeout
+        // later.
+        Vote::Open {
+            reason: GateReason::AttachTimeoutExpired,
+            message: "no consumer attached; let through by failurePolicy Open after attachTimeout".into(),
         }
     } else if timed_out {
         Vote::Open {
