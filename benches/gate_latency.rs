@@ -61,8 +61,16 @@ fn decides_attached(plan: &GatePlan, tracker: &ConsumerTracker, consumer: &Consu
     let tracking = tracker.tracking(&consumer.queue.vhost);
     let mine = [consumer];
     let now = queueguard::consumers::tracker::now_ms();
-    let ballot =
-        Ballot { plan, tracking: &tracking, mine: &mine, open: false, failed_open: false, waiting_since: Some(0), now };
+    let ballot = Ballot {
+        plan,
+        tracking: &tracking,
+        mine: &mine,
+        open: false,
+        failed_open: false,
+        undated: 0,
+        waiting_since: Some(0),
+        now,
+    };
     matches!(verdict::vote(&ballot).vote, Vote::Open { .. })
 }
 

@@ -877,14 +877,18 @@ impl GateIndex {
                 (Ok(_), Err(why)) => hold(GateReason::WaitingForQueues, format!("its queue is not bound yet: {why}")),
                 (Ok(plan), Ok(b)) => {
                     let (tracking, consumers) = (cache.tracking(b), cache.consumers(b));
+                    let owned: Vec<(Ownership, &Consumer)> =
+                        consumers.iter().map(|c| (self.owns(&entry.facts, c, plan), c)).collect();
                     let mine: Vec<&Consumer> =
-                        consumers.iter().filter(|c| self.owns(&entry.facts, c, plan) == Ownership::Owned).collect();
+                        owned.iter().filter(|(o, _)| *o == Ownership::Owned).map(|(_, c)| *c).collect();
+                    let undated = owned.iter().filter(|(o, _)| *o == Ownership::Undated).count();
                     verdict::vote(&Ballot {
                         plan,
                         tracking: &tracking,
                         mine: &mine,
                         open,
                         failed_open,
+                        undated,
                         waiting_since,
                         now,
                     })
@@ -1037,7 +1041,7 @@ impl GateIndex {
                         owned[i] = Ownership::Owned;
                         since = Some(since.map_or(c.since_ms, |s: i64| s.min(c.since_ms)));
                     }
-                    Ownership::Stale if owned[i] == Ownership::Foreign => owned[i] = Ownership::Stale,
+                    o @ (Ownership::Stale | Ownership::Undated) if owned[i] == Ownership::Foreign => owned[i] = o,
                     _ => {}
                 }
             }
@@ -1067,6 +1071,7 @@ impl GateIndex {
             tracking,
             unmatched: owned.iter().filter(|o| **o == Ownership::Foreign).count(),
             stale: owned.iter().filter(|o| **o == Ownership::Stale).count(),
+            undated: owned.iter().filter(|o| **o == Ownership::Undated).count(),
             ambiguous_ips: ambiguous.into_iter().collect(),
             synced: self.synced.all(),
         })
@@ -1215,6 +1220,8 @@ pub struct PolicyView {
     pub unmatched: usize,
     /// Consumers from a pod's address that connected before the pod had it.
     pub stale: usize,
+    /// Consumers of guarded pods whose connection age is unknown (not listed to the broker user).
+    pub undated: usize,
     pub ambiguous_ips: Vec<String>,
     /// Every watch has synced once.
     pub synced: bool,

@@ -649,3 +649,30 @@ fn a_pod_opened_by_failure_policy_open_stays_open_without_a_consumer() {
     let [closed] = closed.as_slice() else { panic!("{closed:?}") };
     assert_eq!((closed.attached, closed.reason), (false, GateReason::WaitingForConsumer));
 }
+
+/// Where the broker user cannot read other users' connections (RabbitMQ lists them only to a
+/// `monitoring` user), every consumer's connection age is unknown: it does not open a gate, but
+/// it does not close an open one either, and status says which tag the user needs.
+#[test]
+fn a_consumer_of_unknown_connection_age_holds_an_open_gate_and_opens_none() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let mut b = Broker::default();
+    let mut undated = consumer("orders", "10.0.0.1", NOW - 30_000, NOW - 30_000);
+    undated.connected_ms = None;
+    let mut twin = undated.clone();
+    twin.peer_host = Some("10.0.0.2".into());
+    twin.channel = "10.0.0.2:4000 -> 10.9.9.9:5672 (1)".into();
+    b.consumers.insert(q("orders"), vec![undated, twin]);
+    let mut opened = pod("worker-1", "10.0.0.1");
+    opened.condition = Some(GateCondition { status: true, reason: "ConsumerAttached".into(), since_ms: NOW - 40_000 });
+    i.upsert_pod(opened, NOW);
+    i.upsert_pod(pod("worker-2", "10.0.0.2"), NOW);
+    let patches = flush(&mut i, &b, NOW);
+    let [first] = patches.as_slice() else { panic!("the open pod is held: {patches:?}") };
+    assert_eq!((first.pod.as_str(), first.attached), ("worker-2", false), "an undated consumer opens nothing");
+    assert!(first.message.contains("monitoring"), "{}", first.message);
+    let view = i.policy_view(&ObjectKey::new("shop", "orders"), &b, NOW).unwrap();
+    assert_eq!(view.undated, 2);
+    let check = super::super::consumers_check(&plan(1), &view, 1, 2);
+    assert!(check.message.contains("2 consumers' connections are not listed") && check.message.contains("monitoring"));
+}

@@ -271,6 +271,12 @@ fn consumers_check(plan: &GatePlan, view: &PolicyView, attached: i32, expected: 
             view.stale
         ));
     }
+    if view.undated > 0 {
+        msg.push_str(&format!(
+            "; {} consumers' connections are not listed to the broker user, so their age is unknown and they open no gate (open gates are held): give the user the monitoring tag (RabbitMQ lists other users' connections only to it)",
+            view.undated
+        ));
+    }
     if !view.ambiguous_ips.is_empty() {
         msg.push_str(&format!(
             "; pods share IPs {} (hostNetwork?): use consumers.matchBy: ConnectionName",

@@ -100,6 +100,10 @@ pub enum Ownership {
     /// From the pod's address or name, but connected before the pod had that address: a stale
     /// connection of an earlier holder. It never counts.
     Stale,
+    /// From the pod's address or name, on a connection whose age the broker user cannot read
+    /// (RabbitMQ lists other users' connections only to `monitoring` users): it may be an
+    /// earlier holder's, so it opens nothing, and it may be the pod's, so it closes nothing.
+    Undated,
     /// Not this pod's.
     Foreign,
 }
@@ -123,7 +127,8 @@ pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: im
     // connection left behind by the pod that had the address before.
     match consumer.connected_ms {
         Some(connected) if connected.min(consumer.since_ms) + CLOCK_SKEW_MS >= since => Ownership::Owned,
-        _ => Ownership::Stale,
+        Some(_) => Ownership::Stale,
+        None => Ownership::Undated,
     }
 }
 
@@ -195,8 +200,8 @@ mod tests {
         unknown_age.connected_ms = None;
         assert_eq!(
             ownership(&p, &unknown_age, MatchBy::PodIp, none),
-            Ownership::Stale,
-            "a connection of unknown age may be an earlier holder's"
+            Ownership::Undated,
+            "a connection of unknown age may be an earlier holder's: it does not count, but it is told apart"
         );
         let mut unknown_start = p.clone();
         unknown_start.ip_since_ms = None;

@@ -37,6 +37,9 @@ pub enum GateReason {
     TrackingUnavailable,
     /// A guarding policy's spec is invalid: first condition only, as above.
     PolicyInvalid,
+    /// The pod's consumer is on a connection of unknown age (the broker user lacks the
+    /// `monitoring` tag): an open gate is held as it is.
+    ConnectionAgeUnknown,
 }
 
 impl GateReason {
@@ -91,6 +94,8 @@ pub struct Ballot<'a> {
     pub open: bool,
     /// It is True because failurePolicy Open let it through, not because a consumer was seen.
     pub failed_open: bool,
+    /// Consumers from the pod's address or name whose connection age is unknown.
+    pub undated: usize,
     /// When the pod started waiting: its containers became ready, or its gate last closed.
     pub waiting_since: Option<i64>,
     pub now: i64,
@@ -137,6 +142,8 @@ pub fn vote(b: &Ballot) -> PolicyVote {
                 message: format!("{who} attached at {}; counts after {}s", rfc3339(since), min_ms / 1000),
             }
         }
+    } else if b.undated > 0 && b.open {
+        Vote::Hold { reason: GateReason::ConnectionAgeUnknown, message: undated_message(b.undated) }
     } else if b.failed_open {
         // Let through once, it stays through: closing it would only reopen it an attachTimeout
         // later.
@@ -152,10 +159,18 @@ pub fn vote(b: &Ballot) -> PolicyVote {
                 timeout_ms / 1000
             ),
         }
+    } else if b.undated > 0 {
+        Vote::Closed { reason: GateReason::WaitingForConsumer, message: undated_message(b.undated) }
     } else {
         Vote::Closed { reason: GateReason::WaitingForConsumer, message: "no consumer from this pod yet".into() }
     };
     PolicyVote { vote, due_ms: due, attached_since, counts }
+}
+
+fn undated_message(n: usize) -> String {
+    format!(
+        "{n} consumer(s) from this pod on a connection the broker user cannot see (its age is unknown: give the user the monitoring tag)"
+    )
 }
 
 /// The pod's one condition, from every Enforce policy's vote (with its queue's name).
