@@ -87,6 +87,10 @@ pub enum NoGate {
     /// Its spec is invalid: the plan's field errors.
     #[error("{0}")]
     Invalid(String),
+    /// It stands back for a queue another operator manages (ManagedElsewhere, `adopt: false`):
+    /// it binds no queue, so it neither adds the gate nor votes.
+    #[error("{0}")]
+    StandsBack(String),
 }
 
 /// Why a policy cannot count consumers on its queue.
@@ -870,11 +874,33 @@ impl GateIndex {
                 counts: false,
             };
             let vote = match (&policy.facts.plan, &policy.binding) {
+                (Err(NoGate::StandsBack(_)), _) => continue,
                 (Err(why), _) => {
                     hold(GateReason::PolicyInvalid, format!("QueuePolicy '{}' is invalid: {why}", key.name))
                 }
                 (Ok(plan), _) if plan.mode == GateMode::Observe => continue,
-                (Ok(_), Err(why)) => hold(GateReason::WaitingForQueues, format!("its queue is not bound yet: {why}")),
+                // Through the vote as consumers that cannot be seen, so failurePolicy and
+                // attachTimeout apply; what it holds it holds as waiting for its queue.
+                (Ok(plan), Err(why)) => {
+                    let tracking = Tracking::Unavailable(format!("its queue is not bound yet: {why}"));
+                    let ballot = Ballot {
+                        plan,
+                        tracking: &tracking,
+                        mine: &[],
+                        open,
+                        failed_open,
+                        undated: 0,
+                        waiting_since,
+                        now,
+                    };
+                    match verdict::vote(&ballot) {
+                        PolicyVote { vote: Vote::Hold { .. }, due_ms, .. } => PolicyVote {
+                            due_ms,
+                            ..hold(GateReason::WaitingForQueues, format!("its queue is not bound yet: {why}"))
+                        },
+                        voted => voted,
+                    }
+                }
                 (Ok(plan), Ok(b)) => {
                     let (tracking, consumers) = (cache.tracking(b), cache.consumers(b));
                     let owned: Vec<(Ownership, &Consumer)> =

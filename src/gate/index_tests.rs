@@ -676,3 +676,44 @@ fn a_consumer_of_unknown_connection_age_holds_an_open_gate_and_opens_none() {
     let check = super::super::consumers_check(&plan(1), &view, 1, 2);
     assert!(check.message.contains("2 consumers' connections are not listed") && check.message.contains("monitoring"));
 }
+
+/// A policy whose queue is not bound yet goes through the vote as unavailable: failurePolicy
+/// Open lets its pods through after attachTimeout (it held them for ever); one that stands back
+/// for the Topology Operator does not vote at all.
+#[test]
+fn an_unbound_policy_lets_through_by_failure_policy_open_and_one_standing_back_does_not_vote() {
+    let mut open = plan(1);
+    open.failure_policy = FailurePolicy::Open;
+    let timeout = open.attach_timeout.as_millis() as i64;
+    let orders = ObjectKey::new("shop", "orders");
+    let mut i = index(vec![(policy("orders", Selects::Named(Kind::Deployment, "worker".into()), Ok(open)), "orders")]);
+    let b = Broker::default();
+    i.bind(&orders, Err(Unbound::NotReady("Secret 'shop/rabbitmq' not found".into())));
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let first = flush(&mut i, &b, NOW);
+    let [waiting] = first.as_slice() else { panic!("{first:?}") };
+    assert_eq!((waiting.attached, waiting.reason), (false, GateReason::WaitingForQueues));
+    assert!(waiting.message.contains("Secret"), "{}", waiting.message);
+    i.upsert_pod(written(pod("worker-1", "10.0.0.1"), waiting), NOW);
+    let opened = flush(&mut i, &b, NOW + timeout);
+    let [let_through] = opened.as_slice() else { panic!("{opened:?}") };
+    assert_eq!((let_through.attached, let_through.reason), (true, GateReason::BrokerUnreachable));
+
+    let mut j = index(vec![
+        (guarding_worker("orders"), "orders"),
+        (
+            policy(
+                "events",
+                Selects::Named(Kind::Deployment, "worker".into()),
+                Err(NoGate::StandsBack("managed by Queue 'events'".into())),
+            ),
+            "events",
+        ),
+    ]);
+    let mut attached = Broker::default();
+    attached.attach("orders", "10.0.0.1", NOW - 40_000);
+    j.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let patches = flush(&mut j, &attached, NOW);
+    let [p] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!((p.attached, p.reason), (true, GateReason::ConsumerAttached), "only orders votes: {}", p.message);
+}

@@ -46,9 +46,10 @@ pub use verdict::GateReason;
 /// What the index needs of a QueuePolicy. Every policy has facts: one without spec.consumers
 /// guards nothing, but its queue's changes (a deletion behind the operator's back) still wake it.
 pub fn policy_facts(policy: &QueuePolicy, limits: Limits) -> PolicyFacts {
-    let plan = match crate::plan::plan(policy, limits) {
-        Ok(p) => p.gate.ok_or(NoGate::NoConsumers),
-        Err(errors) => Err(NoGate::Invalid(crate::plan::describe(&errors))),
+    let plan = match (crate::plan::plan(policy, limits), stands_back(policy)) {
+        (Ok(_), Some(why)) => Err(NoGate::StandsBack(why)),
+        (Ok(p), None) => p.gate.ok_or(NoGate::NoConsumers),
+        (Err(errors), _) => Err(NoGate::Invalid(crate::plan::describe(&errors))),
     };
     PolicyFacts {
         key: ObjectKey::of(policy),
@@ -57,6 +58,15 @@ pub fn policy_facts(policy: &QueuePolicy, limits: Limits) -> PolicyFacts {
         plan,
         deleting: policy.metadata.deletion_timestamp.is_some(),
     }
+}
+
+/// Why the policy stands back, if its reconcile of this generation said so (ManagedElsewhere):
+/// the webhook (which reads the same object) and the index then leave its pods alone.
+fn stands_back(policy: &QueuePolicy) -> Option<String> {
+    let conditions = &policy.status.as_ref()?.conditions;
+    let ready = conditions.iter().find(|c| c.type_ == crate::status::ConditionType::Ready.as_str())?;
+    let current = ready.observed_generation.is_some() && ready.observed_generation == policy.metadata.generation;
+    (current && ready.reason == Reason::ManagedElsewhere.as_str() && !policy.spec.adopt).then(|| ready.message.clone())
 }
 
 /// One pod condition to write: a flip of the pod's combined verdict.

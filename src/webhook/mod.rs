@@ -162,6 +162,30 @@ mod tests {
         assert_eq!(review["response"]["auditAnnotations"]["guarded-by"], "orders");
     }
 
+    /// A policy that stands back for a Topology Operator Queue (ManagedElsewhere, adopt false)
+    /// binds no queue, so nobody would ever open a gate it added.
+    #[test]
+    fn a_policy_standing_back_adds_no_gate() {
+        let req = request(|_| {});
+        let standing_back = |generation: i64, observed: i64| {
+            let mut p = (*policy("{deployment: order-worker}", "Enforce")).clone();
+            p.metadata.generation = Some(generation);
+            p.status = Some(
+                serde_json::from_value(serde_json::json!({"conditions": [{
+                "type": "Ready", "status": "False", "reason": "ManagedElsewhere", "observedGeneration": observed,
+                "message": "managed by Queue 'orders'", "lastTransitionTime": "2026-12-07T10:00:00Z"}]}))
+                .unwrap(),
+            );
+            Arc::new(p)
+        };
+        let policies = [standing_back(2, 2)];
+        assert!(enforcing(&policies, "shop", "order-worker", None).is_empty());
+        let response = mutate(&req, &enforcing(&policies, "shop", "order-worker", None));
+        assert!(response.allowed && response.patch.is_none());
+        let changed_since = [standing_back(3, 2)];
+        assert_eq!(enforcing(&changed_since, "shop", "order-worker", None).len(), 1, "its new spec is not judged yet");
+    }
+
     #[test]
     fn existing_gates_are_kept_and_ours_is_not_added_twice() {
         let other = request(|r| {
