@@ -18,6 +18,8 @@ pub struct Health {
     leader_election: bool,
     leading: AtomicBool,
     synced: AtomicBool,
+    /// The webhook serves here and its QueuePolicy list has not synced yet.
+    webhook_pending: AtomicBool,
 }
 
 impl Health {
@@ -33,10 +35,24 @@ impl Health {
         self.synced.store(true, Ordering::Relaxed);
     }
 
+    /// The webhook serves from this replica: not Ready until [`Self::set_webhook_synced`].
+    pub fn expect_webhook(&self) {
+        self.webhook_pending.store(true, Ordering::Relaxed);
+    }
+
+    pub fn set_webhook_synced(&self) {
+        self.webhook_pending.store(false, Ordering::Relaxed);
+    }
+
     /// Ready, and why (or why not).
     pub fn readiness(&self) -> (bool, &'static str) {
         let leading = self.leading.load(Ordering::Relaxed);
         let synced = self.synced.load(Ordering::Relaxed);
+        // Ready puts the replica in the webhook Service: one without the policies would let
+        // guarded pods through without their gate.
+        if self.webhook_pending.load(Ordering::Relaxed) {
+            return (false, "the webhook's QueuePolicy list has not synced yet");
+        }
         match (self.leader_election, leading, synced) {
             (true, false, _) => (true, "standby: another replica holds the leader lease"),
             (_, _, true) => (true, "watches synced; broker connections are up or retrying"),
@@ -220,5 +236,16 @@ mod tests {
         assert!(h.readiness().0);
         let single = Health::new(false);
         assert!(!single.readiness().0, "without leader election the one replica must sync first");
+    }
+
+    /// Every replica serves the webhook: a standby whose QueuePolicy list is not in yet would
+    /// answer "no policy" and a guarded pod would go Ready without its gate.
+    #[test]
+    fn a_replica_serving_the_webhook_is_ready_only_once_its_policies_synced() {
+        let h = Health::new(true);
+        h.expect_webhook();
+        assert_eq!(h.readiness(), (false, "the webhook's QueuePolicy list has not synced yet"));
+        h.set_webhook_synced();
+        assert!(h.readiness().0, "a synced standby");
     }
 }

@@ -358,6 +358,16 @@ fn rbac_grants_exactly_what_the_code_uses() {
         .collect();
     assert_eq!(writers, BTreeSet::from(["shop", "billing"]));
     assert_eq!(run_args(&deployment(&docs)).namespaces, ["shop", "billing"], "and the operator acts only there");
+    // Nor does the webhook add gates elsewhere: nobody would ever open them.
+    let hooked = render(Some("charts/queueguard/ci/namespaces-rbac-values.yaml"), &["--set", "webhook.enabled=true"]);
+    let config = &of_kind(&hooked, "MutatingWebhookConfiguration")[0];
+    let expressions = config["webhooks"][0]["namespaceSelector"]["matchExpressions"].as_array().unwrap();
+    assert!(
+        expressions.iter().any(|e| e["key"] == "kubernetes.io/metadata.name"
+            && e["operator"] == "In"
+            && e["values"] == serde_json::json!(["shop", "billing"])),
+        "{expressions:?}"
+    );
     let namespaced = render(Some("charts/queueguard/ci/namespace-scope-values.yaml"), &[]);
     assert!(of_kind(&namespaced, "ClusterRole").is_empty(), "Namespace scope needs no cluster-wide rights");
     assert_eq!(run_args(&deployment(&namespaced)).namespace.as_deref(), Some("apps"));

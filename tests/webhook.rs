@@ -47,8 +47,10 @@ fn free_addr() -> SocketAddr {
 async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
     queueguard::tls::install_crypto_provider();
     let (client, mut api) = mock_client();
+    // The policy list is still coming in (a replica starting): the request waits for it.
     let (store, mut writer) = reflector::store::<QueuePolicy>();
-    writer.apply_watcher_event(&watcher::Event::Apply(guarding_policy()));
+    writer.apply_watcher_event(&watcher::Event::Init);
+    writer.apply_watcher_event(&watcher::Event::InitApply(guarding_policy()));
     let addr = free_addr();
     let certs = CertSource::SelfSigned(SelfSigned {
         namespace: "ops".into(),
@@ -56,7 +58,7 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
         service: "qg-webhook".into(),
         webhook_config: "qg".into(),
     });
-    tokio::spawn(Webhook { addr, certs, timeouts: Default::default() }.serve(client, store));
+    tokio::spawn(Webhook { addr, certs, timeouts: Default::default() }.serve(client, store, None));
 
     // No Secret yet: the operator issues a CA and a serving certificate and stores them.
     api.expect("GET", SECRET).await.respond(
@@ -104,6 +106,10 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
         .unwrap();
     let url = format!("https://qg-webhook.ops.svc:{}/mutate-pods", addr.port());
     let (client, target) = (https.clone(), url.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+    });
     let asked = tokio::spawn(async move {
         for _ in 0..50 {
             match client.post(&target).header("content-type", "application/json").body(REVIEW).send().await {
@@ -153,6 +159,43 @@ async fn the_webhook_keeps_its_certificate_and_adds_the_gate_over_https() {
     assert!(review["response"].get("patch").is_none(), "{review}");
 }
 
+/// With `rbac.scope: Namespaces` the operator acts only in its namespaces: a pod elsewhere gets
+/// no gate, which nobody would ever open, and costs no lookup.
+#[tokio::test]
+async fn a_pod_where_the_operator_does_not_act_gets_no_gate() {
+    queueguard::tls::install_crypto_provider();
+    let dir = std::env::temp_dir().join(format!("qg-webhook-ns-{}-{}", std::process::id(), addr_nanos()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tls = write_certificate(&dir);
+    let (client, mut api) = mock_client();
+    let (store, mut writer) = reflector::store::<QueuePolicy>();
+    writer.apply_watcher_event(&watcher::Event::Apply(guarding_policy()));
+    let addr = free_addr();
+    let billing_only = Some(std::sync::Arc::new(std::collections::BTreeSet::from(["billing".to_owned()])));
+    let webhook = Webhook { addr, certs: CertSource::Dir(dir), timeouts: Default::default() };
+    tokio::spawn(webhook.serve(client, store, billing_only));
+    let https = reqwest::Client::builder()
+        .tls_certs_only([reqwest::Certificate::from_pem(tls.ca_pem.as_bytes()).unwrap()])
+        .resolve("qg-webhook.ops.svc", addr)
+        .build()
+        .unwrap();
+    let url = format!("https://qg-webhook.ops.svc:{}/mutate-pods", addr.port());
+    let mut answer = None;
+    for _ in 0..50 {
+        match https.post(&url).header("content-type", "application/json").body(REVIEW).send().await {
+            Ok(r) => {
+                answer = Some(r.json::<Value>().await.unwrap());
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let review = answer.expect("the webhook answers");
+    assert_eq!(review["response"]["allowed"], true);
+    assert!(review["response"].get("patch").is_none(), "shop is not the operator's: {review}");
+    assert!(api.next(Duration::from_millis(200)).await.is_none(), "no ReplicaSet read for a pod it leaves alone");
+}
+
 /// A webhook on a certificate from a directory (as cert-manager mounts it), with short limits.
 async fn webhook_with_timeouts(timeouts: Timeouts) -> (SocketAddr, String) {
     let (addr, ca, _dir) = webhook_from_dir(timeouts).await;
@@ -180,7 +223,7 @@ async fn webhook_from_dir(timeouts: Timeouts) -> (SocketAddr, String, std::path:
     let (client, _api) = mock_client();
     let (store, _writer) = reflector::store::<QueuePolicy>();
     let addr = free_addr();
-    tokio::spawn(Webhook { addr, certs: CertSource::Dir(dir.clone()), timeouts }.serve(client, store));
+    tokio::spawn(Webhook { addr, certs: CertSource::Dir(dir.clone()), timeouts }.serve(client, store, None));
     for _ in 0..50 {
         if tokio::net::TcpStream::connect(addr).await.is_ok() {
             break;

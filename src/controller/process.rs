@@ -74,7 +74,8 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
         .map_err(|source| RunError::HttpBind { addr: http_addr, source })?;
     tokio::spawn(crate::http::serve(http, endpoints, Default::default()));
     if let Some(webhook) = webhook {
-        start_webhook(webhook, &client, namespace.as_deref());
+        health.expect_webhook();
+        start_webhook(webhook, &client, namespace.as_deref(), only_namespaces.clone().map(Arc::new), health.clone());
     }
     let elector = match lease {
         Some(cfg) => {
@@ -118,16 +119,29 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
     outcome
 }
 
-fn start_webhook(server: crate::webhook::server::Webhook, client: &Client, namespace: Option<&str>) {
+/// Serves the webhook from its own QueuePolicy list; the replica is Ready once that list is in.
+fn start_webhook(
+    server: crate::webhook::server::Webhook,
+    client: &Client,
+    namespace: Option<&str>,
+    acting_in: Option<Arc<std::collections::BTreeSet<String>>>,
+    health: Arc<Health>,
+) {
     let api: Api<QueuePolicy> = crate::kube_api::scoped(client, namespace);
     let (store, writer) = reflector::store();
     let policies = reflector::reflector(writer, watcher(api, watcher::Config::default().any_semantic()))
         .default_backoff()
         .applied_objects();
     tokio::spawn(policies.for_each(|_| async {}));
+    let synced = store.clone();
+    tokio::spawn(async move {
+        if synced.wait_until_ready().await.is_ok() {
+            health.set_webhook_synced();
+        }
+    });
     let client = client.clone();
     tokio::spawn(async move {
-        if let Err(e) = server.serve(client, store).await {
+        if let Err(e) = server.serve(client, store, acting_in).await {
             tracing::error!(error = %e, "admission webhook stopped");
         }
     });

@@ -37,6 +37,7 @@ use rustls::{
     sign::CertifiedKey,
 };
 use std::{
+    collections::BTreeSet,
     net::SocketAddr,
     path::PathBuf,
     sync::{Arc, RwLock},
@@ -118,10 +119,8 @@ impl ResolvesServerCert for Current {
 struct Admission {
     client: Client,
     policies: Store<QueuePolicy>,
-}
-
-pub fn router(client: Client, policies: Store<QueuePolicy>) -> Router {
-    Router::new().route("/mutate-pods", post(admit)).with_state(Arc::new(Admission { client, policies }))
+    /// The namespaces the operator acts in (`--namespaces`); None: all it watches.
+    acting_in: Option<Arc<BTreeSet<String>>>,
 }
 
 async fn admit(
@@ -143,7 +142,17 @@ async fn admit(
 
 async fn guarding_policies(state: &Admission, request: &AdmissionRequest<Pod>) -> Vec<Arc<QueuePolicy>> {
     let (Some(pod), Some(ns)) = (request.object.as_ref(), request.namespace.as_deref()) else { return vec![] };
+    // Where the operator does not act, nobody would ever write the gate's condition.
+    if state.acting_in.as_ref().is_some_and(|only| !only.contains(ns)) {
+        return vec![];
+    }
     let Some(owner) = pod_owner(&pod.metadata) else { return vec![] };
+    // The replica is out of the webhook Service until its list is in; a request that still
+    // comes first waits for it rather than be told "no policy".
+    if tokio::time::timeout(LOOKUP_TIMEOUT, state.policies.wait_until_ready()).await.is_err() {
+        tracing::warn!(namespace = %ns, "the webhook's QueuePolicy list has not synced: no readiness gate added (reported as GateNotInstalled)");
+        return vec![];
+    }
     let policies = state.policies.state();
     let enforcing = enforcing_in(&policies, ns);
     // Only a namespace with an enforcing policy costs a lookup.
@@ -232,8 +241,14 @@ impl Default for Timeouts {
 impl Webhook {
     /// Serves until the process ends. Fails only when the first certificate cannot be had or
     /// the address cannot be bound.
-    pub async fn serve(self, client: Client, policies: Store<QueuePolicy>) -> Result<(), WebhookError> {
-        serve(self.addr, self.certs, self.timeouts, client, policies).await
+    pub async fn serve(
+        self,
+        client: Client,
+        policies: Store<QueuePolicy>,
+        acting_in: Option<Arc<BTreeSet<String>>>,
+    ) -> Result<(), WebhookError> {
+        let admission = Arc::new(Admission { client: client.clone(), policies, acting_in });
+        serve(self.addr, self.certs, self.timeouts, client, admission).await
     }
 }
 
@@ -242,7 +257,7 @@ async fn serve(
     source: CertSource,
     timeouts: Timeouts,
     client: Client,
-    policies: Store<QueuePolicy>,
+    admission: Arc<Admission>,
 ) -> Result<(), WebhookError> {
     let serving = source.load(&client).await?;
     let current = Arc::new(Current(RwLock::new(Arc::new(certified_key(&serving.0, &serving.1)?))));
@@ -254,7 +269,7 @@ async fn serve(
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| WebhookError::Bind { addr, source })?;
     tracing::info!(%addr, "serving the admission webhook");
-    let app = router(client, policies);
+    let app = Router::new().route("/mutate-pods", post(admit)).with_state(admission);
     match crate::http::accept_loop(
         || async { listener.accept().await.map(|(tcp, _)| tcp) },
         |tcp| {
