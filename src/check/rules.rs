@@ -127,7 +127,7 @@ impl Rule {
                 "keepAlive false and every consumer Deployment scaled to 0: the idle queue expires with its messages"
             }
             Self::DisruptionBudgetBlocksDrains => {
-                "minAttached equal to the guarded Deployment's replicas: its PodDisruptionBudget allows no eviction, node drains wait"
+                "minAttached equal to the guarded Deployment's replicas: its PodDisruptionBudget is lowered to replicas - 1 so drains can evict, and a drain takes the consumers below minAttached"
             }
             Self::DuplicateQueue => "two QueuePolicies declare the same queue on the same broker",
             Self::UnanchoredPattern => {
@@ -856,7 +856,8 @@ fn min_attached_exceeds_replicas(f: &Facts) -> Vec<Finding> {
             }
             if keeps_pdb(p) {
                 consequences.push(format!(
-                    "the PodDisruptionBudget the operator keeps for it (minAvailable: {n}) can never be met, so every node drain hangs on its pods"
+                    "the PodDisruptionBudget the operator keeps for it can ask only minAvailable {} (one fewer than its replicas, so a node drain can evict), so a drain takes it below minAttached",
+                    (r - 1).max(0)
                 ));
             }
             if consequences.is_empty() {
@@ -901,7 +902,7 @@ fn scaled_to_zero_queue_expires(f: &Facts) -> Vec<Finding> {
     out
 }
 
-/// QG010: a PodDisruptionBudget that allows no eviction.
+/// QG010: a PodDisruptionBudget lowered below minAttached so that drains can evict.
 fn disruption_budget_blocks_drains(f: &Facts) -> Vec<Finding> {
     let mut out = Vec::new();
     for p in f.planned.iter().filter(|p| keeps_pdb(p)) {
@@ -913,9 +914,10 @@ fn disruption_budget_blocks_drains(f: &Facts) -> Vec<Finding> {
                 Severity::Warning,
                 &p.doc.id,
                 format!(
-                    "the PodDisruptionBudget the operator keeps for Deployment '{}' (minAvailable: minAttached {n}) equals its {n} replica{}, so it allows no eviction at all: node drains (kubectl drain, node upgrades, cluster-autoscaler scale-down) wait on these pods until someone scales up. Run at least {} replicas, or set gate.podDisruptionBudget: false if a drain may take the consumers below minAttached.",
+                    "minAttached {n} equals Deployment '{}''s {n} replica{}: a budget of minAvailable {n} would allow no eviction and hang every node drain, so the operator keeps it at minAvailable {}, and a drain (kubectl drain, node upgrades, cluster-autoscaler scale-down) takes the consumers below minAttached while an evicted pod is replaced. Run at least {} replicas.",
                     d.id.name,
                     if n == 1 { "" } else { "s" },
+                    n - 1,
                     n + 1
                 ),
             ));
@@ -1586,7 +1588,7 @@ mod tests {
         let text = guarding("").replace("{deployment: worker}", "{deployment: worker, minAttached: 3}") + &worker();
         let f = only(&text, Rule::MinAttachedExceedsReplicas);
         assert_eq!(f.object.to_string(), "QueuePolicy shop/orders");
-        assert!(f.message.starts_with("minAttached 3 is more than the 2 replicas of Deployment 'worker': the gate can never count 3 consumers attached (ConsumersAttached stays TooFewAttached), and the PodDisruptionBudget the operator keeps for it (minAvailable: 3) can never be met"), "{}", f.message);
+        assert!(f.message.starts_with("minAttached 3 is more than the 2 replicas of Deployment 'worker': the gate can never count 3 consumers attached (ConsumersAttached stays TooFewAttached), and the PodDisruptionBudget the operator keeps for it can ask only minAvailable 1 (one fewer than its replicas, so a node drain can evict), so a drain takes it below minAttached"), "{}", f.message);
         // Without the PDB, the gate clause alone.
         let f = only(
             &text.replace("  consumers:", "  gate: {podDisruptionBudget: false}\n  consumers:"),
@@ -1609,11 +1611,16 @@ mod tests {
     }
 
     #[test]
-    fn qg010_a_budget_equal_to_the_replicas_blocks_node_drains() {
+    fn qg010_a_budget_lowered_to_let_drains_evict_leaves_fewer_than_min_attached() {
         let single = deployment("worker", "  replicas: 1\n", GATE);
         let f = only(&(guarding("") + &single), Rule::DisruptionBudgetBlocksDrains);
         assert_eq!((f.severity, f.object.to_string()), (Severity::Warning, "QueuePolicy shop/orders".into()));
-        assert!(f.message.contains("equals its 1 replica, so it allows no eviction at all"), "{}", f.message);
+        assert!(
+            f.message.contains("the operator keeps it at minAvailable 0, and a drain")
+                && !f.message.contains("allows no eviction at all"),
+            "the budget never blocks a drain: {}",
+            f.message
+        );
         // Passing: no PDB, Observe mode (no PDB either; the gate is then removed), or 2 replicas.
         assert_eq!(found(&(guarding("  gate: {podDisruptionBudget: false}\n") + &single)), vec![]);
         assert_eq!(found(&(guarding("  gate: {mode: Observe}\n") + &single.replace(GATE, ""))), vec![]);
