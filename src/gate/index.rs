@@ -34,8 +34,16 @@ use std::{
     sync::Arc,
 };
 
-/// A failed write is tried again after this long.
+/// A failed write is tried again after this long, doubled at each failure in a row up to
+/// [`RETRY_MAX_MS`]: a refusal that lasts (an admission policy's 403, a 422) costs the API
+/// server one request every few minutes, not one a second.
 pub const RETRY_MS: i64 = 1_000;
+pub const RETRY_MAX_MS: i64 = 300_000;
+
+/// The wait before the next try after `failures` failures in a row (at least one).
+fn retry_after(failures: u32) -> i64 {
+    (RETRY_MS << failures.saturating_sub(1).min(16)).min(RETRY_MAX_MS)
+}
 
 /// A namespaced object's identity.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -241,6 +249,8 @@ struct PodEntry {
     due: Option<i64>,
     /// After a failed write: no new write before this.
     retry_at: i64,
+    /// Writes failed in a row since the last one seen back.
+    failures: u32,
     /// The last verdict (what the pod waits for), for status.
     verdict: Option<PodVerdict>,
 }
@@ -284,6 +294,8 @@ struct WorkloadWrites {
     strategy: Option<serde_json::Value>,
     budget: Option<Sent>,
     retry_at: i64,
+    /// Writes failed in a row (the entry goes once nothing is outstanding).
+    failures: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -544,14 +556,15 @@ impl GateIndex {
         if old.is_some_and(|o| o.facts == facts) {
             return;
         }
-        let (sent, retry_at, verdict) = match self.pods.remove(&uid) {
+        let (sent, retry_at, failures, verdict) = match self.pods.remove(&uid) {
             Some(old) => {
                 self.forget_pod(&old);
                 // Seen back: what was written is now on the pod.
                 let confirmed = old.sent == facts.condition.as_ref().map(|c| c.status);
-                (old.sent.filter(|_| !confirmed), old.retry_at, old.verdict)
+                let failures = if confirmed && old.sent.is_some() { 0 } else { old.failures };
+                (old.sent.filter(|_| !confirmed), old.retry_at, failures, old.verdict)
             }
-            None => (None, 0, None),
+            None => (None, 0, 0, None),
         };
         if let Some(PodOwner::ReplicaSet(rs)) = &facts.owner {
             let rs = ObjectKey::new(facts.namespace.clone(), rs.clone());
@@ -570,7 +583,7 @@ impl GateIndex {
             }
         }
         self.dirty_pods.insert(uid.clone());
-        self.pods.insert(uid, PodEntry { facts, sent, due: None, retry_at, verdict });
+        self.pods.insert(uid, PodEntry { facts, sent, due: None, retry_at, failures, verdict });
     }
 
     pub fn remove_pod(&mut self, uid: &str) {
@@ -775,7 +788,8 @@ impl GateIndex {
             Write::Condition(patch) => {
                 if let Some(p) = self.pods.get_mut(&patch.uid) {
                     p.sent = None;
-                    p.retry_at = now + RETRY_MS;
+                    p.failures += 1;
+                    p.retry_at = now + retry_after(p.failures);
                     self.dirty_pods.insert(patch.uid.clone());
                 }
             }
@@ -787,8 +801,9 @@ impl GateIndex {
                     Write::Strategy(_) => w.strategy = None,
                     _ => w.budget = None,
                 }
-                w.retry_at = now + RETRY_MS;
-                self.timers.insert((now + RETRY_MS, Timed::Workload(workload.clone())));
+                w.failures += 1;
+                w.retry_at = now + retry_after(w.failures);
+                self.timers.insert((w.retry_at, Timed::Workload(workload.clone())));
             }
         }
     }

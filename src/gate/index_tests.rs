@@ -717,3 +717,37 @@ fn an_unbound_policy_lets_through_by_failure_policy_open_and_one_standing_back_d
     let [p] = patches.as_slice() else { panic!("{patches:?}") };
     assert_eq!((p.attached, p.reason), (true, GateReason::ConsumerAttached), "only orders votes: {}", p.message);
 }
+
+/// A write the API server keeps refusing (a 403 from an admission policy, a 422) is tried again
+/// less and less often, up to once every 5 minutes, not every second for ever; once one lands
+/// and is seen back, the next failure starts again at a second.
+#[test]
+fn a_write_that_keeps_failing_is_retried_less_and_less_often() {
+    let mut i = index(vec![(guarding_worker("orders"), "orders")]);
+    let mut b = Broker::default();
+    b.attach("orders", "10.0.0.1", NOW - 30_000);
+    i.upsert_pod(pod("worker-1", "10.0.0.1"), NOW);
+    let mut now = NOW;
+    let mut delays = Vec::new();
+    for _ in 0..12 {
+        let patches = flush(&mut i, &b, now);
+        let [patch] = patches.as_slice() else { panic!("{patches:?}") };
+        i.write_failed(&Write::Condition(patch.clone()), now);
+        assert_eq!(flush(&mut i, &b, now), vec![], "not before its delay");
+        let due = i.next_due().unwrap();
+        delays.push((due - now) / 1000);
+        now = due;
+        i.tick(now);
+    }
+    assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300, 300]);
+    let patches = flush(&mut i, &b, now);
+    let [patch] = patches.as_slice() else { panic!("{patches:?}") };
+    i.upsert_pod(written(pod("worker-1", "10.0.0.1"), patch), now);
+    b.detach("orders");
+    i.consumers_changed(SOURCE, &Change::Tracking { vhost: None });
+    let closing = flush(&mut i, &b, now + 1);
+    let [closing] = closing.as_slice() else { panic!("{closing:?}") };
+    i.write_failed(&Write::Condition(closing.clone()), now + 1);
+    assert_eq!(flush(&mut i, &b, now + 1), vec![]);
+    assert_eq!(i.next_due(), Some(now + 1 + RETRY_MS), "landed and seen back: a second again");
+}
