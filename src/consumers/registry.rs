@@ -276,6 +276,9 @@ impl Registry {
                 vec![]
             }
             BrokerEvent::ConsumerCreated { channel_pid, queue, tag, prefetch, ack_required, at_ms } => {
+                // The event's time is the broker's clock; minAttachedSeconds runs on ours. A
+                // broker clock behind ours must not shorten it: never earlier than its arrival.
+                let at_ms = at_ms.max(now_ms);
                 let Some(channel) = self.channels.get(&channel_pid).map(|c| c.name.clone()) else {
                     let known = |u: &Unplaced| u.channel_pid == channel_pid && u.queue == queue && u.tag == tag;
                     if !self.unplaced.iter().any(known) {
@@ -730,6 +733,19 @@ mod tests {
         assert!(r.consumers_on(&QueueKey::new("/", "other")).is_empty());
         assert!(matches!(r.apply(deleted_on("<c1>", "t1"), 2_000).as_slice(), [Change::Detached { .. }]));
         assert!(tags(&r).is_empty());
+    }
+
+    /// The event's timestamp is the broker's clock: one 30 s behind the operator's would have
+    /// counted a consumer attached just now as attached for 30 s already.
+    #[test]
+    fn an_attach_time_is_never_earlier_than_the_event_arrived() {
+        let mut r = with_channel();
+        let changes = r.apply(created("behind", 10_000), 40_000);
+        let [Change::Attached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
+        assert_eq!(consumer.since_ms, 40_000, "when it arrived, not the broker's earlier clock");
+        let changes = r.apply(created("ahead", 50_000), 45_000);
+        let [Change::Attached { consumer }] = changes.as_slice() else { panic!("{changes:?}") };
+        assert_eq!(consumer.since_ms, 50_000, "a clock ahead only lengthens the wait");
     }
 
     #[test]
