@@ -314,6 +314,8 @@ struct Namespace {
 pub struct GateIndex {
     policies: HashMap<ObjectKey, PolicyEntry>,
     workloads: HashMap<WorkloadKey, Workload>,
+    /// Kinds the cluster does not serve (their pods are not waited for).
+    unwatched_kinds: BTreeSet<Kind>,
     /// ReplicaSet → the workload controlling it (None: none of the kinds the gate knows).
     replica_sets: HashMap<ObjectKey, Option<WorkloadKey>>,
     pods: HashMap<String, PodEntry>,
@@ -528,8 +530,14 @@ impl GateIndex {
     /// A pod whose ReplicaSet the watch has not delivered yet: whose it is cannot be told, so
     /// it is not judged (judged unguarded, its gate would open before its consumer attached).
     fn owner_unknown(&self, pod: &PodFacts) -> bool {
-        matches!(&pod.owner, Some(PodOwner::ReplicaSet(rs))
-            if !self.replica_sets.contains_key(&ObjectKey::new(pod.namespace.clone(), rs.clone())))
+        let replica_set_unknown = matches!(&pod.owner, Some(PodOwner::ReplicaSet(rs))
+            if !self.replica_sets.contains_key(&ObjectKey::new(pod.namespace.clone(), rs.clone())));
+        // Its workload not delivered yet (the watches are separate streams): by its labels it
+        // may be guarded, so it is not judged unguarded meanwhile.
+        replica_set_unknown
+            || self
+                .workload_of(pod)
+                .is_some_and(|w| !self.workloads.contains_key(&w) && !self.unwatched_kinds.contains(&w.kind))
     }
 
     /// The workload a pod belongs to, through its controller.
@@ -682,7 +690,10 @@ impl GateIndex {
     }
 
     /// A kind whose API the cluster does not serve (no Argo Rollouts CRD): none of it exists.
+    /// A kind whose API the cluster does not serve (Argo Rollouts not installed): its
+    /// workloads never arrive, and their pods are not waited for.
     pub fn kind_unavailable(&mut self, kind: Kind) {
+        self.unwatched_kinds.insert(kind);
         self.replace_workloads(kind, vec![]);
     }
 

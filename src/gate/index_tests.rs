@@ -593,6 +593,15 @@ fn pods_find_their_statefulset_and_their_rollout_through_owner_references() {
     ]);
     let mut b = Broker::default();
     b.attach("shards", "10.0.0.1", NOW - 30_000);
+    let meta =
+        |name: &str| ObjectMeta { name: Some(name.into()), namespace: Some("shop".into()), ..Default::default() };
+    let shard = k8s_openapi::api::apps::v1::StatefulSet { metadata: meta("shard"), ..Default::default() };
+    i.upsert_workload(Workload::new(shard));
+    let canary_rollout: crate::workload::rollout::Rollout = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": "canary", "namespace": "shop"}, "spec": {"strategy": {}}}),
+    )
+    .unwrap();
+    i.upsert_workload(Workload::new(canary_rollout));
     let mut sts_pod = pod("shard-0", "10.0.0.1");
     sts_pod.owner = Some(PodOwner::StatefulSet("shard".into()));
     i.upsert_pod(sts_pod, NOW);
@@ -750,4 +759,30 @@ fn a_write_that_keeps_failing_is_retried_less_and_less_often() {
     i.write_failed(&Write::Condition(closing.clone()), now + 1);
     assert_eq!(flush(&mut i, &b, now + 1), vec![]);
     assert_eq!(i.next_due(), Some(now + 1 + RETRY_MS), "landed and seen back: a second again");
+}
+
+/// A pod whose Deployment the watches have not delivered yet is not judged: for a policy that
+/// picks workloads by label it would look unguarded, be opened, and closed a moment later.
+#[test]
+fn a_pod_is_not_judged_before_its_workload_arrives() {
+    let by_tier = Selects::Labels {
+        selector: Selector::try_from(LabelSelector {
+            match_labels: Some([("tier".to_owned(), "consumers".to_owned())].into()),
+            ..Default::default()
+        })
+        .unwrap(),
+        kinds: vec![Kind::Deployment],
+    };
+    let mut i = index(vec![(policy("by-tier", by_tier, Ok(plan(1))), "orders")]);
+    let b = Broker::default();
+    let late = WorkloadKey::new(Kind::Deployment, "shop", "late");
+    i.upsert_replica_set(ReplicaSetFacts { key: ObjectKey::new("shop", "late-abc"), owner: Some(late) });
+    let mut p = pod("late-abc-1", "10.0.0.7");
+    p.owner = Some(PodOwner::ReplicaSet("late-abc".into()));
+    i.upsert_pod(p, NOW);
+    assert_eq!(flush(&mut i, &b, NOW), vec![], "its Deployment is not known yet");
+    i.upsert_workload(deployment("late", &[("tier", "consumers")]));
+    let patches = flush(&mut i, &b, NOW + 10);
+    let [first] = patches.as_slice() else { panic!("{patches:?}") };
+    assert_eq!((first.attached, first.reason), (false, GateReason::WaitingForConsumer), "guarded from its first word");
 }
