@@ -20,7 +20,22 @@ run_tests() {
   fi
 }
 
+# The opt-in tests on a real control plane (tests/control_plane.rs, ignored otherwise, and shown
+# as skipped): scripts/control-plane.sh start, then eval "$(scripts/control-plane.sh env)".
+control_plane_tests() {
+  if [ -n "${QUEUEGUARD_CONTROL_PLANE:-}" ] && [ -n "${KUBECONFIG:-}" ]; then
+    if cargo nextest --version >/dev/null 2>&1; then
+      cargo nextest run --no-fail-fast --test control_plane --run-ignored all
+    else
+      cargo test --test control_plane -- --include-ignored
+    fi
+  else
+    echo "test.sh: the real control plane tests are skipped (QUEUEGUARD_CONTROL_PLANE and KUBECONFIG unset; see scripts/control-plane.sh)"
+  fi
+}
+
 run_tests "$@"
+control_plane_tests
 # The broker tests again against RabbitMQ 4.0 (Debian 13's package, in a cached root beside the
 # machine's 3.10): declarations, consumers, findings, patterns, rollouts and migrations.
 scripts/rabbitmq4.sh start
@@ -30,6 +45,7 @@ trap 'scripts/rabbitmq4.sh stop >/dev/null 2>&1 || true' EXIT
   run_tests --test broker_declare --test consumers --test findings --test patterns --test rollout --test migrate --test soak
   # The migrations through the reconcile and local mode (the mocked API; the broker is 4.0).
   run_tests --test controller --test cli migrat shared_dead_letter
+  control_plane_tests
 )
 scripts/rabbitmq4.sh stop
 # Alone and one at a time, because they kill and restart the cluster's nodes.
