@@ -510,6 +510,13 @@ impl ConsumerTracker {
             .inspect_err(|e| tracing::debug!(%vhost, error = %e, "could not read the vhost's connections"))
             .ok();
         let now = now_ms();
+        tracing::debug!(
+            %vhost,
+            consumers = consumers.len(),
+            connections = connections.as_ref().map(Vec::len),
+            watched = watched.len(),
+            "consumer snapshot"
+        );
         let snapshot = Snapshot {
             vhost: vhost.to_owned(),
             consumers: consumers.into_iter().map(|c| from_info(c, now)).collect(),

@@ -487,6 +487,7 @@ async fn write_all(
             lock(&g.unanswered_since).get_or_insert_with(tokio::time::Instant::now);
         }
         let written = perform(&client, &write).await;
+        tracing::debug!(write = %describe(&write), ok = written.is_ok(), "gate write");
         if matches!(written, Ok(()) | Err(kube::Error::Api(_)))
             && let Some(g) = gate.upgrade()
         {

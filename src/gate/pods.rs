@@ -112,6 +112,11 @@ pub enum Ownership {
 /// the connection name ([`named_after`]), and never from before the pod's address, nor of
 /// unknown age.
 pub fn ownership(pod: &PodFacts, consumer: &Consumer, by: MatchBy, ambiguous: impl Fn(&str) -> bool) -> Ownership {
+    // Its connection not listed (yet, or to this user): neither its name nor its age is known,
+    // so it may be this pod's.
+    if by == MatchBy::ConnectionName && consumer.connection_name.is_none() && consumer.connected_ms.is_none() {
+        return Ownership::Undated;
+    }
     let matches = match by {
         MatchBy::PodIp => {
             consumer.peer_host.as_deref().is_some_and(|ip| pod.ips.iter().any(|p| p == ip) && !ambiguous(ip))
@@ -213,6 +218,20 @@ mod tests {
 
     /// A pod's name repeats across namespaces (a StatefulSet's `worker-1`) and across clusters
     /// sharing a broker: a connection is the pod's by its namespace and name, or its UID.
+    #[test]
+    fn a_consumer_whose_connection_is_not_listed_may_be_the_pods() {
+        let p = pod("worker-1", "10.0.0.1", 0);
+        let mut unlisted = consumer("172.16.0.1", None, 100);
+        unlisted.connected_ms = None;
+        assert_eq!(ownership(&p, &unlisted, MatchBy::ConnectionName, |_| false), Ownership::Undated);
+        let nameless = consumer("172.16.0.1", None, 100);
+        assert_eq!(
+            ownership(&p, &nameless, MatchBy::ConnectionName, |_| false),
+            Ownership::Foreign,
+            "listed, and named nothing: another client's"
+        );
+    }
+
     #[test]
     fn owned_by_connection_name_token() {
         let p = pod("worker-1", "10.0.0.1", 0);
