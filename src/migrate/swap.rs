@@ -152,7 +152,9 @@ async fn quiesce(
         }
         if started.elapsed() > bound {
             let queue = queue.to_owned();
-            return Err(if quiet || nothing_held {
+            // Never a quiet second: the publishers kept it (while they publish, the mover's own
+            // deliveries in flight count as unacknowledged too); quiet, the deliveries held did.
+            return Err(if quiet {
                 Error::Unacknowledged { queue, unacknowledged: held.unwrap_or_default(), waited: bound }
             } else {
                 Error::Publishing { queue, publishes: moved.load(Ordering::Relaxed) - moved_at_start, waited: bound }

@@ -266,8 +266,8 @@ pub async fn soak(o: &SoakOptions, uri: &BrokerUri) -> Result<SoakReport, String
         pod.stop_and_wait().await;
     }
     let consumed = sim.tally.consumed();
-    let left = take_ids(&operator.broker, &queue).await;
-    let dead_lettered = take_ids(&operator.broker, &plan.dead_letter_queue).await;
+    let left = take_ids(&operator.broker, &queue).await?;
+    let dead_lettered = take_ids(&operator.broker, &plan.dead_letter_queue).await?;
     let (_, deliveries) = sim.tally.counts();
     report.consumed = confirmed.iter().filter(|id| consumed.contains(id)).count() as u64;
     report.dead_lettered =
@@ -421,17 +421,41 @@ fn run_node_control(command: &str, verb: &str, node: &str) -> Result<(), String>
 }
 
 /// The ids in a queue, taken off it.
-async fn take_ids(broker: &Broker, queue: &str) -> HashSet<u64> {
+/// Takes every message of `queue`, by id. A read that fails is tried again (the operator's
+/// connection may just have been cut by a fault) for up to 30 s, then reported: a queue not
+/// read must not count its messages as lost.
+async fn take_ids(broker: &Broker, queue: &str) -> Result<HashSet<u64>, String> {
     let mut ids = HashSet::new();
-    let Ok((ch, _)) = broker.amqp.dedicated_channel().await else { return ids };
-    let get = || ch.basic_get(queue.into(), BasicGetOptions { no_ack: true });
-    while let Ok(Ok(Some(m))) = tokio::time::timeout(Duration::from_secs(5), get()).await {
-        if let Some(id) = std::str::from_utf8(&m.delivery.data).ok().and_then(|s| s.parse().ok()) {
-            ids.insert(id);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let failure = match broker.amqp.dedicated_channel().await {
+            Ok((ch, _)) => {
+                let get = || ch.basic_get(queue.into(), BasicGetOptions { no_ack: true });
+                let failure = loop {
+                    match tokio::time::timeout(Duration::from_secs(5), get()).await {
+                        Ok(Ok(Some(m))) => {
+                            if let Some(id) = std::str::from_utf8(&m.delivery.data).ok().and_then(|s| s.parse().ok()) {
+                                ids.insert(id);
+                            }
+                        }
+                        Ok(Ok(None)) => break None,
+                        Ok(Err(e)) => break Some(e.to_string()),
+                        Err(_) => break Some("no answer within 5 s".to_owned()),
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(5), ch.close(200, "read".into())).await;
+                match failure {
+                    None => return Ok(ids),
+                    Some(e) => e,
+                }
+            }
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() > deadline {
+            return Err(format!("could not read queue '{queue}' to count what is left in it: {failure}"));
         }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), ch.close(200, "read".into())).await;
-    ids
 }
 
 /// The soak's publishers and what the broker confirmed of them.
