@@ -157,7 +157,7 @@ fn named_worker(name: &str, queue: &str, replicas: i32) -> serde_json::Value {
 /// controllers, under a publisher with confirms: every confirmed message is consumed or still in
 /// the queue, and the queue is never deleted.
 #[tokio::test]
-#[ignore = "needs a real control plane: scripts/control-plane.sh start, then scripts/test.sh"]
+#[ignore = "needs a real Kubernetes cluster: KUBECONFIG and QUEUEGUARD_CONTROL_PLANE from scripts/control-plane.sh env"]
 async fn guarded_rolling_restarts_of_a_deployment_lose_nothing() {
     let cluster = Cluster::start().await;
     let queue = unique("cp-orders");
@@ -238,7 +238,7 @@ fn count_closings(client: &Client, namespace: &str) -> (Arc<AtomicUsize>, tokio:
 /// snapshot voted Closed before its queue's consumers were known; measured before the fix on a
 /// real control plane, 6 of 8 open gates closed and reopened).
 #[tokio::test]
-#[ignore = "needs a real control plane: scripts/control-plane.sh start, then scripts/test.sh"]
+#[ignore = "needs a real Kubernetes cluster: KUBECONFIG and QUEUEGUARD_CONTROL_PLANE from scripts/control-plane.sh env"]
 async fn an_operator_restart_at_rest_closes_no_open_gate() {
     let mut cluster = Cluster::start().await;
     let queues: Vec<String> = (0..4).map(|i| unique(&format!("cp-rest-{i}"))).collect();

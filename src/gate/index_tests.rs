@@ -74,6 +74,18 @@ fn policy(name: &str, selects: Selects, plan: Result<GatePlan, NoGate>) -> Polic
     PolicyFacts { key: ObjectKey::new("shop", name), uid: format!("uid-{name}"), selects, plan, deleting: false }
 }
 
+/// Deployments labelled tier=consumers.
+fn by_tier() -> Selects {
+    Selects::Labels {
+        selector: Selector::try_from(LabelSelector {
+            match_labels: Some([("tier".to_owned(), "consumers".to_owned())].into()),
+            ..Default::default()
+        })
+        .unwrap(),
+        kinds: vec![Kind::Deployment],
+    }
+}
+
 fn guarding_worker(name: &str) -> PolicyFacts {
     policy(name, Selects::Named(Kind::Deployment, "worker".into()), Ok(plan(1)))
 }
@@ -304,14 +316,7 @@ fn a_pod_seen_without_start_time_dates_its_address_from_first_sight() {
 
 #[test]
 fn pods_are_one_by_uid_and_terminal_pods_hold_no_address() {
-    let by_tier = Selects::Labels {
-        selector: Selector::try_from(LabelSelector {
-            match_labels: Some([("tier".to_owned(), "consumers".to_owned())].into()),
-            ..Default::default()
-        })
-        .unwrap(),
-        kinds: vec![Kind::Deployment],
-    };
+    let by_tier = by_tier();
     // Two policies picking the same Deployment, by name and by label.
     let mut i = index(vec![(guarding_worker("orders"), "orders"), (policy("by-tier", by_tier, Ok(plan(1))), "orders")]);
     let mut b = Broker::default();
@@ -765,14 +770,7 @@ fn a_write_that_keeps_failing_is_retried_less_and_less_often() {
 /// picks workloads by label it would look unguarded, be opened, and closed a moment later.
 #[test]
 fn a_pod_is_not_judged_before_its_workload_arrives() {
-    let by_tier = Selects::Labels {
-        selector: Selector::try_from(LabelSelector {
-            match_labels: Some([("tier".to_owned(), "consumers".to_owned())].into()),
-            ..Default::default()
-        })
-        .unwrap(),
-        kinds: vec![Kind::Deployment],
-    };
+    let by_tier = by_tier();
     let mut i = index(vec![(policy("by-tier", by_tier, Ok(plan(1))), "orders")]);
     let b = Broker::default();
     let late = WorkloadKey::new(Kind::Deployment, "shop", "late");

@@ -383,8 +383,15 @@ fn demo_plan(queue: &str, quorum: bool, migrates: bool) -> Result<plan::QueuePla
     } else {
         String::new()
     };
+    // Named after its queue: the broker policy `queueguard.<namespace>.<name>` of two runs at once
+    // (a demo beside a soak) would otherwise be one, and the later would take the earlier's
+    // dead-lettering away.
+    let name = format!(
+        "demo-{:x}",
+        queue.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    );
     let doc = format!(
-        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: demo, namespace: queueguard-demo}}\nspec:\n  broker: {{secretRef: {{name: demo}}}}\n  queue: {{name: {queue:?}, type: {kind}{moves}}}\n"
+        "apiVersion: queueguard.io/v1alpha1\nkind: QueuePolicy\nmetadata: {{name: {name}, namespace: queueguard-demo}}\nspec:\n  broker: {{secretRef: {{name: demo}}}}\n  queue: {{name: {queue:?}, type: {kind}{moves}}}\n"
     );
     let policy = serde_yaml_ng::from_str(&doc).expect("the demo policy parses");
     plan::plan(&policy, Limits::default()).map_err(|e| plan::describe(&e))
